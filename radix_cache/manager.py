@@ -1,0 +1,154 @@
+"""KVManager: the per-request KV bookkeeping over the pool, the slot table and the radix tree.
+
+A running request's slot-table row is split in three (``P`` = page size)::
+
+    positions: 0 ........ cached_len ........ kv_len ..... alloc_len
+               [  tree-owned, locked  ][ owned, KV written ][ owned, reserved ]
+               (shared with others)    (freed or handed to  (tail of the last page)
+                                        the tree on release)
+
+``cached_len`` and ``alloc_len`` are whole pages. Every slot is at any time exactly one of: free in
+the allocator, held by the tree, or owned by one running request (``alloc_len - cached_len`` of
+them); ``check_accounting`` verifies that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.radix_cache.pool import SlotAllocator
+from radixlm.radix_cache.req_table import ReqToTokenTable
+from radixlm.radix_cache.tree import RadixCache, TreeNode
+
+
+@dataclass
+class KVState:
+    """Where one request's KV lives."""
+
+    row: int
+    last_node: TreeNode
+    cached_len: int = 0
+    kv_len: int = 0
+    alloc_len: int = 0
+
+    @property
+    def owned(self) -> int:
+        """Slots this request holds that the tree does not."""
+        return self.alloc_len - self.cached_len
+
+
+class KVManager:
+    """Allocates, shares, caches and frees the KV slots of requests."""
+
+    def __init__(self, allocator: SlotAllocator, table: ReqToTokenTable, tree: RadixCache) -> None:
+        self.allocator = allocator
+        self.table = table
+        self.tree = tree
+        self.page_size = allocator.page_size
+
+    # ------------------------------------------------------------- capacity
+    def available(self) -> int:
+        """Slots obtainable now: free plus evictable."""
+        return self.allocator.available_slots() + self.tree.evictable_size()
+
+    def pages_for(self, state: KVState | None, new_len: int) -> int:
+        """Slots (whole pages) needed to grow a row from its ``alloc_len`` to ``new_len`` tokens."""
+        have = state.alloc_len if state is not None else 0
+        need = max(new_len - have, 0)
+        return -(-need // self.page_size) * self.page_size
+
+    def _alloc(self, num_slots: int) -> torch.Tensor | None:
+        short = num_slots - self.allocator.available_slots()
+        if short > 0:
+            self.tree.evict(short)
+        return self.allocator.alloc_slots(num_slots)
+
+    # ------------------------------------------------------------- lifecycle
+    def match(self, tokens: Sequence[int], max_len: int) -> tuple[torch.Tensor, TreeNode]:
+        """Cached slots for the longest prefix of ``tokens[:max_len]`` and the node ending it."""
+        result = self.tree.match_prefix(tokens[: max(max_len, 0)])
+        return result.slots, result.last_node
+
+    def admit(self, prefix_slots: torch.Tensor, last_node: TreeNode) -> KVState | None:
+        """Give a request a table row seeded with its cached prefix; locks the prefix.
+
+        Returns None when no table row is free.
+        """
+        row = self.table.alloc()
+        if row is None:
+            return None
+        self.tree.inc_lock_ref(last_node)
+        n = len(prefix_slots)
+        self.table.write(row, 0, prefix_slots)
+        return KVState(row=row, last_node=last_node, cached_len=n, kv_len=n, alloc_len=n)
+
+    def reserve(self, state: KVState, new_len: int) -> bool:
+        """Make sure positions ``< new_len`` have slots; False (nothing changed) when short."""
+        need = self.pages_for(state, new_len)
+        if need == 0:
+            return True
+        slots = self._alloc(need)
+        if slots is None:
+            return False
+        self.table.write(state.row, state.alloc_len, slots)
+        state.alloc_len += need
+        return True
+
+    def slots(self, state: KVState, start: int, end: int) -> torch.Tensor:
+        """The slots of positions ``start .. end`` of a request."""
+        return self.table.read(state.row, start, end)
+
+    def cache_prefix(self, state: KVState, tokens: Sequence[int]) -> None:
+        """Share a running request's computed KV (``tokens[:kv_len]``) through the tree.
+
+        The tree adopts the page-aligned part; slots it already had are freed and the request's
+        row is pointed at the tree's copies; the lock moves to the new end of the path.
+        """
+        aligned = state.kv_len - state.kv_len % self.page_size
+        if aligned <= state.cached_len or self.tree.disable:
+            return
+        row_slots = self.table.read(state.row, 0, aligned)
+        present = self.tree.insert(tokens[:aligned], row_slots)
+        if present > state.cached_len:
+            self.allocator.free_slots(row_slots[state.cached_len : present].clone())
+        result = self.tree.match_prefix(tokens[:aligned])
+        self.tree.query_tokens -= aligned  # bookkeeping lookup, not a request's query
+        self.tree.hit_tokens -= len(result.slots)
+        self.table.write(state.row, 0, result.slots)
+        self.tree.inc_lock_ref(result.last_node)
+        self.tree.dec_lock_ref(state.last_node)
+        state.last_node = result.last_node
+        state.cached_len = len(result.slots)
+
+    def release(self, state: KVState, tokens: Sequence[int] | None) -> None:
+        """Free a request's KV: with ``tokens``, first hand its computed KV to the tree."""
+        if tokens is not None:
+            self.cache_prefix(state, tokens)
+        if state.alloc_len > state.cached_len:
+            self.allocator.free_slots(self.table.read(state.row, state.cached_len, state.alloc_len).clone())
+        self.tree.dec_lock_ref(state.last_node)
+        self.table.free(state.row)
+        state.alloc_len = state.kv_len = state.cached_len = 0
+
+    def flush(self) -> None:
+        """Drop the whole radix cache (only when no request holds a lock)."""
+        self.tree.clear()
+
+    # ------------------------------------------------------------ accounting
+    def check_accounting(self, states: Iterable[KVState]) -> None:
+        """Assert free + tree + running-owned slots equals the pool, with no slot counted twice."""
+        self.tree.check_integrity()
+        free_pages = self.allocator.free_page_ids()
+        held = [self.table.read(s.row, s.cached_len, s.alloc_len) for s in states]
+        owned = sum(len(h) for h in held)
+        total = self.allocator.num_slots
+        free = len(free_pages) * self.page_size
+        in_tree = self.tree.total_size()
+        assert free + in_tree + owned == total, (
+            f"KV slots leaked: free {free} + tree {in_tree} + running {owned} != total {total}"
+        )
+        everything = torch.cat([self.allocator.page_slots(free_pages), self.tree.all_slots(), *held])
+        assert len(torch.unique(everything)) == total, "a KV slot is counted twice"

@@ -1,0 +1,133 @@
+"""The KV pool: per-layer key/value tensors indexed by token slot, and a page allocator.
+
+A *slot* holds the key and value of one token in every layer. Slots are grouped into pages of
+``page_size`` consecutive slots; the allocator hands out whole pages so that a request's tokens
+``[k * page_size, (k + 1) * page_size)`` always live in one page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAD_SLOT = 0  # the slot padded (masked) positions read from
+
+
+class KVPool:
+    """Per-layer K and V tensors of shape ``[num_slots, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots, num_kv_heads, head_dim)
+        # Uninitialized, so untouched slots cost no memory; only slot 0 is zeroed because
+        # padded reads (masked out, but multiplied) are pointed at it and must stay finite.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for t in self.k + self.v:
+            t[PAD_SLOT].zero_()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the keys and values of new tokens at ``slots`` in one layer."""
+        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes that one token's KV takes across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    def nbytes(self) -> int:
+        """Total bytes held by the pool's tensors."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class SlotAllocator:
+    """Hands out and takes back whole pages of KV slots.
+
+    Free pages are kept sorted lazily: freed pages go to a release list that is merged and sorted
+    only when the free list runs short, so consecutive allocations tend to get contiguous slots.
+    """
+
+    def __init__(self, num_slots: int, page_size: int = 1, device: torch.device | str = "cpu") -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if num_slots % page_size:
+            raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size})")
+        self.num_slots = num_slots
+        self.page_size = page_size
+        self.num_pages = num_slots // page_size
+        self.device = torch.device(device)
+        self._free = torch.arange(self.num_pages, dtype=torch.int64, device=self.device)
+        self._released: list[torch.Tensor] = []
+        self._num_released = 0
+
+    def available_pages(self) -> int:
+        """Pages that can be allocated right now."""
+        return len(self._free) + self._num_released
+
+    def available_slots(self) -> int:
+        """Slots that can be allocated right now (always whole pages)."""
+        return self.available_pages() * self.page_size
+
+    def _merge_released(self) -> None:
+        if self._released:
+            self._free = torch.sort(torch.cat([self._free, *self._released])).values
+            self._released = []
+            self._num_released = 0
+
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        """Take ``num_pages`` free pages (their page ids), or None when too few are free."""
+        if num_pages < 0:
+            raise ValueError(f"num_pages must be >= 0, got {num_pages}")
+        if num_pages > len(self._free):
+            if num_pages > self.available_pages():
+                return None
+            self._merge_released()
+        pages, self._free = self._free[:num_pages], self._free[num_pages:]
+        return pages
+
+    def alloc_slots(self, num_slots: int) -> torch.Tensor | None:
+        """Take enough whole pages for ``num_slots`` tokens and return all their slots."""
+        num_pages = -(-num_slots // self.page_size)
+        pages = self.alloc_pages(num_pages)
+        if pages is None:
+            return None
+        return self.page_slots(pages)
+
+    def page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        """All slots of the given pages, page by page."""
+        if self.page_size == 1:
+            return pages
+        offsets = torch.arange(self.page_size, dtype=torch.int64, device=pages.device)
+        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Return the pages that ``slots`` cover (each slot's whole page) to the free list."""
+        if slots.numel() == 0:
+            return
+        if self.page_size == 1:
+            pages = slots.to(torch.int64)
+        else:
+            pages = torch.unique(slots.to(torch.int64) // self.page_size)
+        self._released.append(pages)
+        self._num_released += len(pages)
+
+    def free_page_ids(self) -> torch.Tensor:
+        """Every free page id (sorted); for integrity checks."""
+        self._merge_released()
+        return self._free.clone()

@@ -1,0 +1,291 @@
+"""RadixCache: a radix tree over token ids whose values are the KV slots of those tokens.
+
+Every edge of the tree carries a run of tokens (``key``) and the slots holding their KV
+(``value``, same length). A path from the root spells a token prefix that some earlier request
+computed; a new request reuses the KV of its longest cached prefix.
+
+Lock counts protect what running requests use: locking a node locks its whole path to the root,
+and only unlocked leaves can be evicted (LRU order)::
+
+    root ── [The cat] ── [ sat]        lock=1  (a running request reads "The cat sat")
+              lock=1  └─ [ ran]        lock=0  (evictable leaf)
+
+``evictable_size`` counts slots in unlocked nodes, ``protected_size`` slots in locked ones; their
+sum is every slot the tree holds. All lengths are whole pages when ``page_size > 1``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One edge of the radix tree and the node it leads to."""
+
+    key: tuple[int, ...] = ()
+    value: torch.Tensor = field(default_factory=lambda: _EMPTY)
+    parent: TreeNode | None = None
+    children: dict = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def is_leaf(self) -> bool:
+        """True when no edge leaves this node."""
+        return not self.children
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.last_access < other.last_access
+
+
+@dataclass
+class MatchResult:
+    """The cached prefix of a query: its slots, the node that ends it, and its length."""
+
+    slots: torch.Tensor
+    last_node: TreeNode
+
+    @property
+    def length(self) -> int:
+        """Number of cached tokens."""
+        return len(self.slots)
+
+
+class RadixCache:
+    """A prefix tree of token ids → KV slots with lock counts and LRU eviction."""
+
+    def __init__(
+        self,
+        free_slots: Callable[[torch.Tensor], None],
+        page_size: int = 1,
+        disable: bool = False,
+    ) -> None:
+        self._free_slots = free_slots
+        self.page_size = page_size
+        self.disable = disable
+        self._clock = itertools.count(1)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Drop every node (the caller must have freed their slots) and zero the counters."""
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def evictable_size(self) -> int:
+        """Slots held by nodes no running request locks."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Slots held by locked nodes."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """Every slot the tree holds."""
+        return self._evictable + self._protected
+
+    def hit_rate(self) -> float:
+        """Cached tokens over queried tokens since the last reset."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    # ------------------------------------------------------------- helpers
+    def _child_key(self, tokens: Sequence[int], start: int):
+        if self.page_size == 1:
+            return tokens[start]
+        return tuple(tokens[start : start + self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n - n % self.page_size
+
+    def _common_len(self, key: tuple[int, ...], tokens: Sequence[int], start: int, end: int) -> int:
+        n = min(len(key), end - start)
+        i = 0
+        while i < n and key[i] == tokens[start + i]:
+            i += 1
+        return self._aligned(i)
+
+    def _split(self, child: TreeNode, at: int) -> TreeNode:
+        """Split ``child``'s edge after ``at`` tokens; returns the new upper node."""
+        upper = TreeNode(
+            key=child.key[:at],
+            value=child.value[:at],
+            parent=child.parent,
+            lock_ref=child.lock_ref,
+            last_access=child.last_access,
+        )
+        upper.children[self._child_key(child.key, at)] = child
+        child.parent.children[self._child_key(child.key, 0)] = upper
+        child.parent = upper
+        child.key = child.key[at:]
+        child.value = child.value[at:]
+        return upper
+
+    # --------------------------------------------------------------- queries
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Find the longest cached, page-aligned prefix of ``tokens``.
+
+        Splits an edge when the match ends inside it, so ``last_node`` ends exactly at the
+        match and can be locked. Touches the path for LRU and counts the query.
+        """
+        self.query_tokens += len(tokens)
+        if self.disable or not tokens:
+            return MatchResult(_EMPTY, self.root)
+        tokens = tokens[: self._aligned(len(tokens))]
+        node, pos, parts = self.root, 0, []
+        now = next(self._clock)
+        node.last_access = now
+        while pos < len(tokens):
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, tokens, pos, len(tokens))
+            if common == 0:
+                break
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            parts.append(child.value)
+            node, pos = child, pos + common
+        slots = torch.cat(parts) if parts else _EMPTY
+        self.hit_tokens += len(slots)
+        return MatchResult(slots, node)
+
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+        """Add ``tokens`` → ``slots``; return how many leading tokens were already cached.
+
+        The caller keeps ownership of ``slots[:returned]`` (duplicates of what the tree already
+        holds: free them) and hands ``slots[returned:]`` to the tree. Only the page-aligned part
+        of ``tokens`` is inserted.
+        """
+        if len(tokens) != len(slots):
+            raise ValueError(f"insert got {len(tokens)} tokens but {len(slots)} slots")
+        if self.disable:
+            return len(tokens)
+        n = self._aligned(len(tokens))
+        node, pos = self.root, 0
+        now = next(self._clock)
+        while pos < n:
+            child = node.children.get(self._child_key(tokens, pos))
+            if child is None:
+                break
+            common = self._common_len(child.key, tokens, pos, n)
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            node, pos = child, pos + common
+        if pos < n:
+            leaf = TreeNode(
+                key=tuple(tokens[pos:n]), value=slots[pos:n].clone(), parent=node, last_access=now
+            )
+            node.children[self._child_key(tokens, pos)] = leaf
+            self._evictable += n - pos
+        return pos
+
+    # ----------------------------------------------------------------- locks
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Protect the path from ``node`` to the root from eviction."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Undo one ``inc_lock_ref`` on the same node."""
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("dec_lock_ref on an unlocked node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += len(node.key)
+                self._protected -= len(node.key)
+            node = node.parent
+
+    # -------------------------------------------------------------- eviction
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first.
+
+        Returns how many slots were freed (less than asked when too little is evictable).
+        """
+        if num_tokens <= 0:
+            return 0
+        heap = [n for n in self._iter_nodes() if n.is_leaf() and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            self._free_slots(leaf.value)
+            freed += len(leaf.key)
+            self._evictable -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key, 0)]
+            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return freed
+
+    def clear(self) -> None:
+        """Free every unlocked slot; raises if a request still locks part of the tree."""
+        if self._protected:
+            raise RuntimeError("cannot clear the radix cache while requests hold locks")
+        self.evict(self._evictable)
+        self.reset()
+
+    # ----------------------------------------------------------- inspection
+    def _iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_slots(self) -> torch.Tensor:
+        """Every slot the tree holds, for accounting checks."""
+        parts = [n.value for n in self._iter_nodes()]
+        return torch.cat(parts) if parts else _EMPTY
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the tree's structure or counters are inconsistent."""
+        evictable = protected = 0
+        for node in self._iter_nodes():
+            assert node.key, "empty edge below the root"
+            assert len(node.key) == len(node.value), "edge key and value lengths differ"
+            assert len(node.key) % self.page_size == 0, "edge not page-aligned"
+            assert node.parent is not None and node.parent.children.get(
+                self._child_key(node.key, 0)
+            ) is node, "child indexed under the wrong key"
+            assert node.lock_ref >= 0, "negative lock count"
+            if node.parent is not self.root:
+                assert node.parent.lock_ref >= node.lock_ref, "child locked more than its parent"
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+        assert evictable == self._evictable, f"evictable {self._evictable} != counted {evictable}"
+        assert protected == self._protected, f"protected {self._protected} != counted {protected}"
+        slots = self.all_slots()
+        assert len(torch.unique(slots)) == len(slots), "a slot appears twice in the tree"
+
+    def pretty_print(self) -> str:
+        """An indented picture of the tree: each edge's tokens, length and lock count."""
+        lines = [f"root (evictable={self._evictable}, protected={self._protected})"]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.key):
+                shown = " ".join(map(str, child.key[:8])) + (" …" if len(child.key) > 8 else "")
+                lines.append(f"{'  ' * depth}[{shown}] len={len(child.key)} lock={child.lock_ref}")
+                walk(child, depth + 1)
+
+        walk(self.root, 1)
+        return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The inference engine: model, scheduler, sampling, constraints and the HTTP server."""

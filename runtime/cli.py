@@ -1,0 +1,83 @@
+"""The ``radixlm`` command: ``generate`` runs one prompt, ``serve`` starts the HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from radixlm.runtime.server_args import ServerArgs
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="Generate a continuation of a prompt and print it.",
+        description="Load the model (the embedded SmolLM2-135M-Instruct unless --model-path is given), generate a continuation of TEXT and print it.",
+    )
+    p.add_argument("text", help="The prompt.")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="Most tokens to generate (default: 64).")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature; 0 picks the most likely token each step (default: 0).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling: keep the smallest set of tokens whose probability reaches this (default: 1).")
+    p.add_argument("--top-k", type=int, default=-1, help="Keep only the k most likely tokens; -1 keeps all (default: -1).")
+    p.add_argument("--seed", type=int, default=None, help="Seed for sampling, for repeatable output.")
+    p.add_argument("--chat", action="store_true", help="Wrap TEXT as a user message in the model's chat template.")
+    p.add_argument("--stream", action="store_true", help="Print text as it is generated.")
+    ServerArgs.add_cli_args(p)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="Serve the model over HTTP (native /generate and OpenAI-compatible routes).",
+        description="Start the radixlm HTTP server.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=30000, help="Port to listen on (default: 30000).")
+    p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but /health.")
+    p.add_argument("--max-queued-requests", type=int, default=1024, help="Requests waiting beyond this are refused with 429 (default: 1024).")
+    p.add_argument("--served-model-name", default=None, help="Model name reported by /v1/models (default: from the model path).")
+    ServerArgs.add_cli_args(p)
+
+
+def run_generate(ns: argparse.Namespace) -> int:
+    """Run one generation and print it."""
+    from radixlm.runtime.engine import Engine
+
+    args = ServerArgs.from_cli(ns)
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k, "seed": ns.seed}
+    with Engine(**vars(args)) as engine:
+        prompt = ns.text
+        if ns.chat:
+            from radixlm.runtime.tokenizer import apply_chat_template
+
+            prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": ns.text}])
+        if ns.stream:
+            shown = 0
+            for out in engine.generate(prompt, params, stream=True):
+                sys.stdout.write(out["text"][shown:])
+                sys.stdout.flush()
+                shown = len(out["text"])
+            sys.stdout.write("\n")
+        else:
+            print(engine.generate(prompt, params)["text"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``radixlm`` console script and ``python -m radixlm``."""
+    parser = argparse.ArgumentParser(prog="radixlm", description="radixlm: a structured-generation runtime for LLM programs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _serve_parser(sub)
+    ns = parser.parse_args(argv)
+    try:
+        if ns.command == "generate":
+            code = run_generate(ns)
+        else:
+            from radixlm.runtime.server import run_server
+
+            code = run_server(ns)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixlm: error: {exc}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammar backends, compilation cache and jump-forward."""

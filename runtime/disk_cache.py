@@ -1,0 +1,56 @@
+"""The on-disk cache for what is slow to derive from a model file (tokenizers, GGUF weights)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where radixlm keeps derived files (``$RADIXLM_CACHE_DIR`` or ``~/.cache/radixlm``)."""
+    root = os.environ.get("RADIXLM_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixlm"
+
+
+def file_digest(path: str) -> str:
+    """A short content hash of a file (sha256, first 16 hex digits)."""
+    st = os.stat(path)
+    return _digest(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def entry_for(path: str, kind: str) -> Path:
+    """The cache folder of one kind of derived data for the file at ``path``."""
+    return cache_dir() / file_digest(path) / kind
+
+
+def write_entry(entry: Path, fill: Callable[[Path], None]) -> bool:
+    """Create ``entry`` atomically by letting ``fill`` write into a temporary folder."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}-"))
+    except OSError:
+        return False
+    try:
+        fill(tmp)
+        shutil.rmtree(entry, ignore_errors=True)
+        os.replace(tmp, entry)
+        return True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False

@@ -1,0 +1,408 @@
+"""Engine: the offline API (SGLang's shape) over a scheduler loop running in its own thread.
+
+Callers never touch scheduler state: requests, aborts and queries go through an inbox that the
+loop thread drains between steps; results come back through per-request sinks (a thread queue
+for the blocking API, an asyncio queue fed with ``call_soon_threadsafe`` for the async one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
+from radixlm.runtime.loader import resolve_model_path
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.output import OutputBuilder
+from radixlm.runtime.request import Req, ReqOutput
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.scheduler import Scheduler
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.threads import configure_threads
+from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineError(RuntimeError):
+    """The engine loop failed or was shut down while a request was in flight."""
+
+
+@dataclass
+class Runtime:
+    """The engine's parts assembled from ServerArgs, without a loop thread."""
+
+    args: ServerArgs
+    model_path: str
+    tokenizer: Any
+    runner: ModelRunner
+    kv: KVManager
+    scheduler: Scheduler
+
+
+def build_runtime(args: ServerArgs) -> Runtime:
+    """Load the model and tokenizer and wire the KV memory and scheduler together."""
+    configure_threads(args.num_threads)
+    model_path = resolve_model_path(args.model_path)
+    tokenizer = load_tokenizer(model_path, args.tokenizer_path)
+    runner = ModelRunner(args, model_path)
+    device = runner.device
+    allocator = SlotAllocator(runner.max_total_tokens, args.page_size, device)
+    table = ReqToTokenTable(args.max_running_requests + 8, runner.context_len, device)
+    tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache)
+    kv = KVManager(allocator, table, tree)
+    end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
+    scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids)
+    return Runtime(args, model_path, tokenizer, runner, kv, scheduler)
+
+
+class Engine:
+    """An in-process radixlm runtime: ``generate`` / ``async_generate`` over a batching loop."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        logging.basicConfig(level=self.args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        rt = build_runtime(self.args)
+        self.model_path, self.tokenizer, self.runner = rt.model_path, rt.tokenizer, rt.runner
+        self.kv, self.scheduler = rt.kv, rt.scheduler
+        self.config = self.runner.config
+        self.context_len = self.runner.context_len
+        self.end_ids = self.scheduler.end_ids
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._rid_counter = itertools.count()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="radixlm-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            block = not sched.has_work()
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                item = None
+            while item is not None:
+                if item is _STOP:
+                    sched.abort_all("the engine is shutting down")
+                    return
+                self._handle(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            try:
+                sched.step()
+            except Exception as exc:  # a bug or out-of-memory: fail what runs, keep serving
+                logger.exception("engine step failed")
+                self._error = exc
+                sched.abort_all(f"internal error: {exc}")
+
+    def _handle(self, item: tuple) -> None:
+        kind, payload = item
+        if kind == "add":
+            self.scheduler.add(payload)
+        elif kind == "call":
+            fn, fut = payload
+            try:
+                fut.set_result(fn())
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the loop thread between steps and return its result."""
+        self._check_open()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut.result()
+
+    def _check_open(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise EngineError("the engine has been shut down")
+
+    def is_alive(self) -> bool:
+        """True while the loop thread runs."""
+        return not self._closed and self._thread.is_alive()
+
+    # ------------------------------------------------------------ requests
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+    def make_request(
+        self,
+        sink: Callable[[ReqOutput], None],
+        prompt: str | None = None,
+        input_ids: list[int] | None = None,
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: str | None = None,
+    ) -> Req:
+        """Validate one request and build its Req (raises ValueError naming the bad argument)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            input_ids = self.tokenize(prompt)
+        else:
+            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+                raise ValueError("input_ids must be a list of integers")
+            if not input_ids:
+                raise ValueError("input_ids must not be empty")
+            bad = [t for t in input_ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids contains {bad[0]}, outside the vocabulary [0, {self.config.vocab_size})")
+        if len(input_ids) >= self.context_len:
+            raise ValueError(f"prompt is {len(input_ids)} tokens; the context length is {self.context_len} (prompt must be shorter)")
+        if len(input_ids) + 1 > self.runner.max_total_tokens:
+            raise ValueError(f"prompt is {len(input_ids)} tokens; the KV pool holds only {self.runner.max_total_tokens}")
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params, self.config.vocab_size)
+        if not isinstance(return_logprob, bool):
+            raise ValueError("return_logprob must be a boolean")
+        if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or top_logprobs_num < 0:
+            raise ValueError("top_logprobs_num must be an integer >= 0")
+        if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool) or logprob_start_len < -1:
+            raise ValueError("logprob_start_len must be an integer >= -1")
+        if rid is not None and not isinstance(rid, str):
+            raise ValueError("rid must be a string")
+        req = Req(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=list(input_ids),
+            params=params,
+            sink=sink,
+            stream=stream,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
+            return_text_in_logprobs=return_text_in_logprobs,
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if params.constraint is not None:
+            raise ValueError(f"{params.constraint[0]} constraints are not available in this build")
+        return req
+
+    def submit(self, req: Req) -> None:
+        """Queue a built request on the loop."""
+        self._check_open()
+        self._inbox.put(("add", req))
+
+    def abort(self, rid: str) -> bool:
+        """Abort a waiting or running request; False if no such request is in flight."""
+        return self._call(lambda: self.scheduler.abort(rid))
+
+    # ----------------------------------------------------------- public API
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        return_text_in_logprobs: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts."""
+        batch, items = self._split_batch(prompt, input_ids, sampling_params)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        if stream:
+            if batch:
+                raise ValueError("stream=True takes a single prompt, not a batch")
+            q: queue.Queue = queue.Queue()
+            req = self.make_request(q.put, stream=True, **items[0], **common)
+            self.submit(req)
+            return self._stream_sync(q, req.rid)
+        queues = [queue.Queue() for _ in items]
+        reqs = [self.make_request(q.put, **item, **common) for q, item in zip(queues, items)]
+        for req in reqs:
+            self.submit(req)
+        results = []
+        for q, req in zip(queues, reqs):
+            results.append(_to_dict(self._wait_final(q, req.rid)))
+        return results if batch else results[0]
+
+    def _wait_final(self, q: queue.Queue, rid: str) -> ReqOutput:
+        while True:
+            try:
+                out = q.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise EngineError("the engine loop stopped") from self._error
+                continue
+            if out.finished:
+                return out
+
+    def _stream_sync(self, q: queue.Queue, rid: str) -> Iterator[dict[str, Any]]:
+        try:
+            while True:
+                try:
+                    out = q.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._thread.is_alive():
+                        raise EngineError("the engine loop stopped") from self._error
+                    continue
+                yield _to_dict(out)
+                if out.finished:
+                    return
+        finally:
+            if self.is_alive():
+                self._inbox.put(("call", (lambda: self.scheduler.abort(rid), concurrent.futures.Future())))
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        return_text_in_logprobs: bool = False,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
+        batch, items = self._split_batch(prompt, input_ids, sampling_params)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        if stream and batch:
+            raise ValueError("stream=True takes a single prompt, not a batch")
+        loop = asyncio.get_running_loop()
+        queues = [asyncio.Queue() for _ in items]
+        reqs = [self.make_request(_async_sink(loop, q), stream=stream, **item, **common) for q, item in zip(queues, items)]
+        for req in reqs:
+            self.submit(req)
+        if stream:
+            return self._stream_async(queues[0], reqs[0].rid)
+        results = [_to_dict(await self._await_final(q)) for q in queues]
+        return results if batch else results[0]
+
+    async def _await_final(self, q: asyncio.Queue) -> ReqOutput:
+        while True:
+            out = await q.get()
+            if out.finished:
+                return out
+
+    async def _stream_async(self, q: asyncio.Queue, rid: str) -> AsyncIterator[dict[str, Any]]:
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                yield _to_dict(out)
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished and self.is_alive():
+                self._inbox.put(("call", (lambda: self.scheduler.abort(rid), concurrent.futures.Future())))
+
+    def _split_batch(self, prompt, input_ids, sampling_params) -> tuple[bool, list[dict[str, Any]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            batch = isinstance(prompt, list)
+            prompts = prompt if batch else [prompt]
+            items = [{"prompt": p} for p in prompts]
+        else:
+            batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+            items = [{"input_ids": ids} for ids in (input_ids if batch else [input_ids])]
+        if batch and not items:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(sampling_params, list):
+            if not batch or len(sampling_params) != len(items):
+                raise ValueError("sampling_params as a list needs one dict per prompt")
+            for item, sp in zip(items, sampling_params):
+                item["sampling_params"] = sp
+        else:
+            for item in items:
+                item["sampling_params"] = sampling_params
+        return batch, items
+
+    # ------------------------------------------------------------ utilities
+    def get_stats(self) -> dict[str, Any]:
+        """Queue lengths, KV usage and cache counters, read on the loop thread."""
+
+        def stats() -> dict[str, Any]:
+            s, tree = self.scheduler, self.kv.tree
+            return {
+                "num_running": len(s.running),
+                "num_waiting": len(s.waiting),
+                "max_total_tokens": self.runner.max_total_tokens,
+                "free_slots": self.kv.allocator.available_slots(),
+                "tree_slots": tree.total_size(),
+                "evictable_slots": tree.evictable_size(),
+                "running_slots": sum(r.kv.owned for r in s.running if r.kv is not None),
+                "cache_hit_rate": tree.hit_rate(),
+                "forward_passes": s.forward_passes,
+                "total_retracted": s.total_retracted,
+            }
+
+        return self._call(stats)
+
+    def check_accounting(self) -> None:
+        """Assert on the loop thread that every KV slot is free, in the tree or held by a request."""
+        self._call(self.scheduler.check_accounting)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; False (nothing done) while requests are in flight."""
+
+        def flush() -> bool:
+            if self.scheduler.has_work():
+                return False
+            self.kv.flush()
+            return True
+
+        return self._call(flush)
+
+    def shutdown(self) -> None:
+        """Abort what runs and stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _to_dict(out: ReqOutput) -> dict[str, Any]:
+    return {"text": out.text, "output_ids": out.output_ids, "meta_info": out.meta_info}
+
+
+def _async_sink(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Callable[[ReqOutput], None]:
+    def put(out: ReqOutput) -> None:
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, out)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+    return put

@@ -1,0 +1,184 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2): decoder layers over the paged KV pool.
+
+Differences inside the family are configuration: Qwen2 has q/k/v biases, SmolLM2 ties the
+output head to the embedding, Llama 3 scales RoPE frequencies, Mistral's sliding window caps the
+context length. Attention itself is delegated to the batch's attention backend, which reads the
+cached prefix through the slot table and writes the new tokens' KV into the pool.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32 as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize the last dimension of ``x`` and scale it."""
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with fused q/k/v projection and RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attend each new token to its sequence's cached prefix and to earlier new tokens."""
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, projected back to the hidden size."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residual connections."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """One transformer block."""
+        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face parameter names → (our parameter, shard index within a fused parameter).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM that runs flat token batches over the paged KV pool."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of the batch's new tokens."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(batch.positions, x, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits (fp32) for the given hidden states."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this model's (partly fused) parameters."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        for name, tensor in weights:
+            target, offset = self._target(name, qkv_sizes, cfg.intermediate_size)
+            if target is None:
+                continue
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            param = params[target]
+            dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(target if offset is None else f"{target}@{offset}")
+        self._check_complete(params, loaded, qkv_sizes)
+
+    def _target(self, name: str, qkv_sizes: list[int], inter: int) -> tuple[str | None, int | None]:
+        if "rotary_emb" in name:
+            return None, None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None, None  # tied to the embedding
+        if name in ("model.embed_tokens.weight", "model.norm.weight"):
+            return name.removeprefix("model."), None
+        if name == "lm_head.weight":
+            return name, None
+        m = _LAYER_NAME.match(name)
+        if not m:
+            return name, None
+        layer, module, kind = m.groups()
+        if module in _FUSED:
+            fused, shard = _FUSED[module]
+            sizes = qkv_sizes if fused.endswith("qkv_proj") else [inter, inter]
+            return f"layers.{layer}.{fused}.{kind}", sum(sizes[:shard])
+        return f"layers.{layer}.{module}.{kind}", None
+
+    def _check_complete(self, params: dict, loaded: set[str], qkv_sizes: list[int]) -> None:
+        missing = []
+        for name in params:
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                offsets = [sum(qkv_sizes[:i]) for i in range(3)]
+            elif name.endswith("gate_up_proj.weight"):
+                offsets = [0, self.config.intermediate_size]
+            else:
+                offsets = [None]
+            for off in offsets:
+                if (name if off is None else f"{name}@{off}") not in loaded:
+                    missing.append(name)
+                    break
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' …' if len(missing) > 5 else ''}")

@@ -1,0 +1,104 @@
+"""Req: one generation request's state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from radixlm.radix_cache.manager import KVState
+from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class ReqOutput:
+    """What the engine reports about a request after a step (cumulative, not a delta)."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    finished: bool
+
+
+@dataclass
+class FinishReason:
+    """Why a request ended: ``stop`` (EOS, stop token or string), ``length`` or ``abort``."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``finish_reason`` dict of SGLang's meta_info."""
+        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(eq=False)
+class Req:
+    """A request: its tokens, settings, KV placement, output so far and where results go."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[ReqOutput], None]
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    kv: KVState | None = None
+    finish: FinishReason | None = None
+    cached_tokens: int = -1  # prefix hit at first admission; -1 until admitted
+    generator: torch.Generator | None = None
+    detok: IncrementalDetokenizer | None = None
+    text: str = ""  # output text after stop-string trimming
+    sent_len: int = 0  # characters of ``text`` already streamed
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    abort_requested: bool = False
+    grammar: Any = None  # a compiled constraint matcher, once ready
+    grammar_future: Any = None  # a pending compilation
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence so far (prompt then output)."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Length of the sequence so far."""
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def prefill_done(self) -> bool:
+        """True once every token but the newest has its KV in the pool."""
+        return self.kv is not None and self.kv.kv_len >= self.seq_len - 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True when logprobs of prompt tokens are to be returned."""
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
+
+    def max_cacheable_prefix(self) -> int:
+        """How much of the sequence may come from the cache (at least one token is recomputed)."""
+        limit = self.seq_len - 1
+        if self.wants_prompt_logprobs and not self.output_ids:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit
+
+    def remaining_tokens(self) -> int:
+        """Upper bound on the tokens this request may still generate."""
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)

@@ -1,0 +1,145 @@
+"""Batched token sampling: masks, penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Order per step (as in SGLang): grammar mask → stop-token mask for ``min_new_tokens`` →
+penalties → temperature → top-k → top-p → min-p → sample. Greedy rows take the argmax of the
+processed logits. Logprobs are those of the model's raw distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request this step."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None
+    banned_ids: Sequence[int]  # ids that may not be sampled yet (min_new_tokens)
+    want_logprob: bool
+    top_logprobs_num: int
+
+
+@dataclass
+class SampleResult:
+    """Chosen tokens and, for rows that asked, their logprobs and top alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[float, int]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Frequency/presence penalties on output tokens and repetition penalty on all seen tokens."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
+            out = torch.tensor(row.output_ids, dtype=torch.int64, device=logits.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(list(row.prompt_ids) + list(row.output_ids), dtype=torch.int64, device=logits.device)
+            seen = torch.unique(seen[seen < vocab])
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Set filtered-out entries of temperature-scaled logits to -inf; returns probabilities."""
+    device = logits.device
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in rows], device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
+    probs = torch.softmax(logits, dim=-1)
+    need_sort = bool((top_k < logits.shape[-1]).any() or (top_p < 1).any())
+    if need_sort:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[-1], device=device)[None, :]
+        cumulative = sorted_probs.cumsum(dim=-1)
+        # keep a token while the mass before it is below top_p (the top token always stays)
+        drop = (ranks >= top_k[:, None]) | ((cumulative - sorted_probs) > top_p[:, None])
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if bool((min_p > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    default_generator: torch.Generator | None = None,
+    allowed_mask: torch.Tensor | None = None,
+) -> SampleResult:
+    """Pick one token per row of ``logits`` ``[B, V]`` (fp32); ``allowed_mask`` is bool ``[B, V]``."""
+    raw = logits
+    logits = logits.clone()
+    if allowed_mask is not None:
+        logits.masked_fill_(~allowed_mask, float("-inf"))
+    for i, row in enumerate(rows):
+        if row.banned_ids:
+            logits[i, list(row.banned_ids)] = float("-inf")
+    apply_penalties(logits, rows)
+
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
+    if random:
+        idx = torch.tensor(random, device=logits.device)
+        sub_rows = [rows[i] for i in random]
+        temps = torch.tensor([r.params.temperature for r in sub_rows], dtype=logits.dtype, device=logits.device)
+        probs = _filter_top_k_top_p_min_p(logits.index_select(0, idx) / temps[:, None], sub_rows)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
+        noise = torch.empty_like(probs)
+        shared = [j for j, r in enumerate(sub_rows) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(generator=default_generator)
+        for j, r in enumerate(sub_rows):
+            if r.generator is not None:
+                noise[j].exponential_(generator=r.generator)
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+
+    token_list = tokens.tolist()
+    logprobs: list[float | None] = [None] * len(rows)
+    tops: list[list[tuple[float, int]] | None] = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.want_logprob]
+    if want:
+        idx = torch.tensor(want, device=logits.device)
+        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
+        chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+        for j, i in enumerate(want):
+            logprobs[i] = chosen[j]
+            k = rows[i].top_logprobs_num
+            if k:
+                vals, ids = lp[j].topk(min(k, lp.shape[-1]))
+                tops[i] = list(zip(vals.tolist(), ids.tolist()))
+    return SampleResult(token_list, logprobs, tops)
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_ids: Sequence[int], top_k: int
+) -> tuple[list[float], list[list[tuple[float, int]]] | None]:
+    """Logprob of each next prompt token under the logits at the position before it."""
+    lp = torch.log_softmax(logits, dim=-1)
+    ids = torch.tensor(list(next_ids), dtype=torch.int64, device=logits.device)
+    values = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+    tops = None
+    if top_k:
+        v, i = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
+    return values, tops

@@ -1,0 +1,131 @@
+"""SamplingParams: the per-request decoding settings, with SGLang's key names, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; build with ``from_dict`` to validate user input."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """True when the most likely token is always taken."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """The ``(kind, spec)`` of the grammar constraint, if any."""
+        for kind in ("regex", "json_schema", "ebnf"):
+            value = getattr(self, kind)
+            if value is not None:
+                return kind, value
+        return None
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any repetition-style penalty is active."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
+        """Validate user-supplied sampling parameters; raises ValueError naming the bad key."""
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        sp = cls(**{k: v for k, v in params.items() if v is not None})
+        sp._normalize()
+        sp.validate(vocab_size)
+        return sp
+
+    def _normalize(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if _is_int(getattr(self, name)):
+                setattr(self, name, float(getattr(self, name)))
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field."""
+        checks_int = {"max_new_tokens": 0, "min_new_tokens": 0}
+        for name, lo in checks_int.items():
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}")
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema, ebnf (got {', '.join(given)})")
+        for name in given:
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string" + (" or a dict" if name == "json_schema" else ""))
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")

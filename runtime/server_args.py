@@ -1,0 +1,105 @@
+"""ServerArgs: every engine and server option, with its command-line help, in one dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ServerArgs:
+    """Options shared by ``radixlm.Engine``, ``radixlm generate`` and ``radixlm serve``."""
+
+    model_path: str | None = _opt(None, "Hugging Face folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct.")
+    tokenizer_path: str | None = _opt(None, "Tokenizer folder or .gguf file, if not the model's own.")
+    dtype: str = _opt("auto", "Weight and KV dtype: auto (fp32 on CPU, the model's dtype on GPU), float32, bfloat16, float16.", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _opt("auto", "auto (cuda when available, else cpu), cpu or cuda.")
+    context_length: int | None = _opt(None, "Longest prompt + output; default and upper bound: the model's context length.")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens; default: a share (mem_fraction_static) of free memory.")
+    mem_fraction_static: float = _opt(0.15, "Share of free memory given to the KV pool when max_total_tokens is not set.")
+    page_size: int = _opt(1, "Tokens per KV page; the radix cache shares whole pages.")
+    max_running_requests: int = _opt(128, "Most requests decoding at once.")
+    chunked_prefill_size: int = _opt(512, "Most prompt tokens computed in one step (longer prompts are split).")
+    schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first) or fcfs.", choices=["lpm", "fcfs"])
+    disable_radix_cache: bool = _opt(False, "Do not share KV between requests (for ablations).")
+    attention_backend: str = _opt("auto", "auto, torch or triton.", choices=["auto", "torch", "triton"])
+    num_threads: int | None = _opt(None, "Torch intra-op threads on CPU; default: measured best for this machine (see README).")
+    random_seed: int = _opt(0, "Seed of the sampler for requests without their own seed.")
+    grammar_backend: str = _opt("llguidance", "Constrained-decoding backend: llguidance or outlines.", choices=["llguidance", "outlines"])
+    grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
+    disable_jump_forward: bool = _opt(False, "Decode forced grammar text token by token instead of appending it at once.")
+    log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
+
+    def resolved_device(self) -> str:
+        """The concrete device name."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        return self.device
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        """The concrete torch dtype."""
+        if self.dtype == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid option."""
+        positive = ["page_size", "max_running_requests", "chunked_prefill_size"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("context_length", "max_total_tokens", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive, got {v}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from keyword arguments; an unknown name is a ValueError."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument {unknown[0]!r}")
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one ``--option`` per field to ``parser``."""
+        group = parser.add_argument_group("engine options")
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                group.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=f"{help_text} (default: {f.default})")
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:
+        """Collect the fields from parsed command-line arguments."""
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        return cls.from_kwargs(**values)

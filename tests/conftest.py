@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random-weight models in temp dirs, the embedded SmolLM2, and helpers."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+# The suite shares 2 cores with whatever else runs: one intra-op thread is faster and steadier.
+os.environ.setdefault("RADIXLM_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["RADIXLM_NUM_THREADS"]))
+
+from helpers import TINY_ARCHS, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Folders holding tiny random-weight Llama, Qwen2 and Mistral checkpoints with a tokenizer."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: make_tiny_model(arch, root / arch) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dirs: dict[str, str]) -> str:
+    """Path of the tiny Llama checkpoint."""
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF."""
+    from radixlm.runtime.loader import default_model_path
+
+    return default_model_path()

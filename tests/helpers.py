@@ -1,0 +1,170 @@
+"""Test helpers: tiny checkpoints, a Hugging Face greedy reference, and a manual scheduler driver."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+TINY_ARCHS = ("llama", "qwen2", "mistral")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Radix trees share prefixes; caches reuse keys and values.",
+    "Question: what is two plus two? Answer: four.",
+    '{"name": "Ada", "age": 36, "tags": ["math", "engines"]}',
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+    "Once upon a time, in a small village, there lived a curious engineer.",
+] * 20
+
+
+def make_tokenizer(folder: Path) -> None:
+    """Train a small byte-level BPE tokenizer with chat tokens and save it as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+
+
+def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
+    """Save a tiny random-weight checkpoint of ``arch`` with a tokenizer into ``folder``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    folder.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(folder)
+    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]) + 3
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        cfg = LlamaConfig(
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+            **common,
+        )
+    elif arch == "qwen2":
+        cfg = Qwen2Config(tie_word_embeddings=True, **common)
+    elif arch == "mistral":
+        cfg = MistralConfig(sliding_window=None, **common)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    with torch.no_grad():  # random init is tiny; widen it so greedy paths are not all one token
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return str(folder)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation from transformers' ``generate`` with EOS disabled."""
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def load_hf_model(path: str):
+    """The transformers model for a checkpoint folder or GGUF file, in fp32."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+class Driver:
+    """Runs a scheduler by hand, step by step, collecting each request's final output."""
+
+    def __init__(self, runtime) -> None:
+        self.rt = runtime
+        self.sched = runtime.scheduler
+        self.results: dict[str, object] = {}
+        self.stream_events: dict[str, list] = {}
+        self.steps = 0
+
+    def add(self, input_ids: list[int], rid: str | None = None, **params) -> str:
+        """Queue a request made of token ids; returns its id."""
+        from radixlm.runtime.request import Req
+        from radixlm.runtime.sampling_params import SamplingParams
+
+        extra = {k: params.pop(k) for k in ("return_logprob", "top_logprobs_num", "logprob_start_len", "stream") if k in params}
+        rid = rid or f"r{len(self.stream_events)}"
+        self.stream_events[rid] = []
+
+        def sink(out, rid=rid):
+            self.stream_events[rid].append(out)
+            if out.finished:
+                self.results[rid] = out
+
+        req = Req(rid=rid, input_ids=list(input_ids), params=SamplingParams.from_dict(params), sink=sink, **extra)
+        if req.params.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.params.seed)
+        self.sched.add(req)
+        return rid
+
+    def step(self, check: bool = True) -> bool:
+        """One scheduler step; checks the KV accounting afterwards."""
+        ran = self.sched.step()
+        self.steps += 1
+        if check:
+            self.sched.check_accounting()
+        return ran
+
+    def run(self, max_steps: int = 10_000, on_step: Callable[[int], None] | None = None) -> None:
+        """Step until every request is done."""
+        for i in range(max_steps):
+            if on_step is not None:
+                on_step(i)
+            if not self.sched.has_work():
+                return
+            self.step()
+        raise AssertionError("requests did not finish")

@@ -1,0 +1,130 @@
+"""Greedy outputs are token-identical to transformers in every scheduling situation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import TINY_ARCHS, Driver, hf_greedy, load_hf_model
+from radixlm import ServerArgs
+from radixlm.runtime.engine import build_runtime
+
+NEW_TOKENS = 32
+
+SCENARIOS = {
+    # name: (engine options, how requests arrive)
+    "alone": ({}, "one_by_one"),
+    "batch_joining_mid_decode": ({}, "staggered"),
+    "radix_cache_hit": ({}, "twice"),
+    "chunked_prefill_16": ({"chunked_prefill_size": 16}, "staggered"),
+    "page_size_16": ({"page_size": 16}, "twice"),
+    "retraction": ({"max_total_tokens": 400, "max_running_requests": 12}, "all_at_once"),
+}
+
+
+def _tiny_prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 390) for _ in range(40)]
+    prompts = []
+    for i in range(12):
+        n = rng.randrange(2, 60)
+        tail = [rng.randrange(3, 390) for _ in range(n)]
+        prompts.append(shared[: rng.randrange(0, 40)] + tail if i % 2 else tail)
+    return prompts
+
+
+def _run_scenario(model_path: str, prompts: list[list[int]], options: dict, arrival: str):
+    args = ServerArgs(model_path=model_path, max_total_tokens=options.pop("max_total_tokens", 8192), **options)
+    rt = build_runtime(args)
+    d = Driver(rt)
+    params = dict(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    rids: list[str] = []
+    if arrival == "one_by_one":
+        for p in prompts:
+            rids.append(d.add(p, **params))
+            d.run()
+    elif arrival in ("all_at_once", "twice"):
+        rids = [d.add(p, **params) for p in prompts]
+        d.run()
+        if arrival == "twice":
+            first = [d.results[r] for r in rids]
+            rids = [d.add(p, **params) for p in prompts]
+            d.run()
+            assert [d.results[r].output_ids for r in rids] == [f.output_ids for f in first]
+            assert sum(d.results[r].meta_info["cached_tokens"] for r in rids) > 0
+    elif arrival == "staggered":  # a new request joins every other step while others decode
+        pending = list(prompts)
+
+        def on_step(i: int) -> None:
+            if pending and i % 2 == 0:
+                rids.append(d.add(pending.pop(0), **params))
+
+        d.run(on_step=on_step)
+        while pending:
+            rids.append(d.add(pending.pop(0), **params))
+            d.run()
+    return [d.results[r].output_ids for r in rids], rt
+
+
+@pytest.fixture(scope="module")
+def tiny_references(tiny_model_dirs):
+    prompts = _tiny_prompts()
+    refs = {}
+    for arch in TINY_ARCHS:
+        hf = load_hf_model(tiny_model_dirs[arch])
+        refs[arch] = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    return prompts, refs
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_tiny_model_greedy_matches_transformers(arch, scenario, tiny_model_dirs, tiny_references):
+    prompts, refs = tiny_references
+    options, arrival = SCENARIOS[scenario]
+    outputs, rt = _run_scenario(tiny_model_dirs[arch], prompts, dict(options), arrival)
+    for i, (ours, ref) in enumerate(zip(outputs, refs[arch])):
+        assert ours == ref, f"prompt {i} diverged at token {next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)}"
+    if scenario == "retraction":
+        assert rt.scheduler.total_retracted > 0, "the pool was large enough that nothing was retracted"
+    rt.scheduler.check_accounting()
+
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+    "List three colors:",
+    "The radix tree is a data structure that",
+    "Translate to French: Good morning, how are you?",
+    "1, 1, 2, 3, 5, 8,",
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nName a fruit.<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n",
+    "In machine learning, a transformer",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_references(smollm2_path):
+    from radixlm.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_path)
+    prompts = [tok(p).input_ids for p in SMOL_PROMPTS]
+    hf = load_hf_model(smollm2_path)
+    return prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["batch_joining_mid_decode", "radix_cache_hit", "chunked_prefill_16", "page_size_16", "retraction"])
+def test_smollm2_greedy_matches_transformers(scenario, smollm2_path, smol_references):
+    prompts, refs = smol_references
+    options, arrival = SCENARIOS[scenario]
+    options = dict(options)
+    if scenario == "retraction":
+        options["max_total_tokens"] = 400
+    outputs, rt = _run_scenario(smollm2_path, prompts, options, arrival)
+    assert outputs == refs
+    if scenario == "retraction":
+        assert rt.scheduler.total_retracted > 0
