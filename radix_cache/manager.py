@@ -115,8 +115,6 @@ class KVManager:
         if present > state.cached_len:
             self.allocator.free_slots(row_slots[state.cached_len : present].clone())
         result = self.tree.match_prefix(tokens[:aligned])
-        self.tree.query_tokens -= aligned  # bookkeeping lookup, not a request's query
-        self.tree.hit_tokens -= len(result.slots)
         self.table.write(state.row, 0, result.slots)
         self.tree.inc_lock_ref(result.last_node)
         self.tree.dec_lock_ref(state.last_node)

@@ -136,9 +136,9 @@ class RadixCache:
         """Find the longest cached, page-aligned prefix of ``tokens``.
 
         Splits an edge when the match ends inside it, so ``last_node`` ends exactly at the
-        match and can be locked. Touches the path for LRU and counts the query.
+        match and can be locked. Touches the path for LRU. Does not count toward the hit rate:
+        callers report admitted queries with ``record``.
         """
-        self.query_tokens += len(tokens)
         if self.disable or not tokens:
             return MatchResult(_EMPTY, self.root)
         tokens = tokens[: self._aligned(len(tokens))]
@@ -158,8 +158,12 @@ class RadixCache:
             parts.append(child.value)
             node, pos = child, pos + common
         slots = torch.cat(parts) if parts else _EMPTY
-        self.hit_tokens += len(slots)
         return MatchResult(slots, node)
+
+    def record(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one request's prompt length and how much of it came from the cache."""
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
 
     def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
         """Add ``tokens`` → ``slots``; return how many leading tokens were already cached.

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
+from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
@@ -50,6 +51,7 @@ class Runtime:
     runner: ModelRunner
     kv: KVManager
     scheduler: Scheduler
+    grammars: GrammarCompiler
 
 
 def build_runtime(args: ServerArgs) -> Runtime:
@@ -64,8 +66,24 @@ def build_runtime(args: ServerArgs) -> Runtime:
     tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache)
     kv = KVManager(allocator, table, tree)
     end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
-    scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids)
-    return Runtime(args, model_path, tokenizer, runner, kv, scheduler)
+    scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids, tokenizer)
+    grammars = make_grammar_compiler(args, tokenizer, runner.config.vocab_size, end_ids)
+    return Runtime(args, model_path, tokenizer, runner, kv, scheduler, grammars)
+
+
+def make_grammar_compiler(args: ServerArgs, tokenizer, vocab_size: int, end_ids: set[int]) -> GrammarCompiler:
+    """The compiler for ``args.grammar_backend`` (the backend itself is built on first use)."""
+
+    def make_backend():
+        if args.grammar_backend == "outlines":
+            from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+
+            return OutlinesBackend(tokenizer, vocab_size, end_ids)
+        from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(tokenizer, vocab_size, end_ids)
+
+    return GrammarCompiler(make_backend, args.grammar_backend, timeout=args.grammar_compile_timeout)
 
 
 class Engine:
@@ -76,7 +94,7 @@ class Engine:
         logging.basicConfig(level=self.args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
         rt = build_runtime(self.args)
         self.model_path, self.tokenizer, self.runner = rt.model_path, rt.tokenizer, rt.runner
-        self.kv, self.scheduler = rt.kv, rt.scheduler
+        self.kv, self.scheduler, self.grammars = rt.kv, rt.scheduler, rt.grammars
         self.config = self.runner.config
         self.context_len = self.runner.context_len
         self.end_ids = self.scheduler.end_ids
@@ -199,9 +217,17 @@ class Engine:
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        if params.constraint is not None:
-            raise ValueError(f"{params.constraint[0]} constraints are not available in this build")
         return req
+
+    def attach_grammar(self, req: Req) -> None:
+        """Compile the request's constraint (off the loop thread) and give it a matcher."""
+        if req.params.constraint is not None:
+            req.grammar = self.grammars.compile(*req.params.constraint).matcher()
+
+    async def attach_grammar_async(self, req: Req) -> None:
+        """The awaitable form of ``attach_grammar``."""
+        if req.params.constraint is not None:
+            req.grammar = (await self.grammars.compile_async(*req.params.constraint)).matcher()
 
     def submit(self, req: Req) -> None:
         """Queue a built request on the loop."""
@@ -232,10 +258,13 @@ class Engine:
                 raise ValueError("stream=True takes a single prompt, not a batch")
             q: queue.Queue = queue.Queue()
             req = self.make_request(q.put, stream=True, **items[0], **common)
+            self.attach_grammar(req)
             self.submit(req)
             return self._stream_sync(q, req.rid)
         queues = [queue.Queue() for _ in items]
         reqs = [self.make_request(q.put, **item, **common) for q, item in zip(queues, items)]
+        for req in reqs:
+            self.attach_grammar(req)
         for req in reqs:
             self.submit(req)
         results = []
@@ -289,6 +318,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in items]
         reqs = [self.make_request(_async_sink(loop, q), stream=stream, **item, **common) for q, item in zip(queues, items)]
+        for req in reqs:
+            await self.attach_grammar_async(req)
         for req in reqs:
             self.submit(req)
         if stream:
@@ -380,6 +411,7 @@ class Engine:
         self._closed = True
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
+        self.grammars.shutdown()
 
     def __enter__(self) -> Engine:
         return self

@@ -69,8 +69,8 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     abort_requested: bool = False
-    grammar: Any = None  # a compiled constraint matcher, once ready
-    grammar_future: Any = None  # a pending compilation
+    grammar: Any = None  # the constraint's Matcher, if any
+    jump_tokens: int = 0  # output tokens appended by jump-forward
 
     @property
     def fill_ids(self) -> list[int]:
@@ -92,10 +92,14 @@ class Req:
         """True when logprobs of prompt tokens are to be returned."""
         return self.return_logprob and 0 <= self.logprob_start_len < len(self.input_ids)
 
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs are wanted and not all collected yet."""
+        return self.wants_prompt_logprobs and len(self.input_logprobs) < len(self.input_ids) - self.logprob_start_len
+
     def max_cacheable_prefix(self) -> int:
         """How much of the sequence may come from the cache (at least one token is recomputed)."""
         limit = self.seq_len - 1
-        if self.wants_prompt_logprobs and not self.output_ids:
+        if self.needs_prompt_logprobs():
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from radixlm.radix_cache.manager import KVManager
 from radixlm.radix_cache.tree import RadixCache
+from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
+from radixlm.runtime.constrained.jump_forward import forced_prefix, plan_jump
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
@@ -65,14 +66,15 @@ class Scheduler:
         kv: KVManager,
         outputs: OutputBuilder,
         end_ids: set[int],
-        grammar_step: Callable[[Sequence[Req]], torch.Tensor | None] | None = None,
+        tokenizer,
     ) -> None:
         self.args = args
         self.runner = runner
         self.kv = kv
         self.outputs = outputs
         self.end_ids = end_ids
-        self.grammar_step = grammar_step
+        self.tokenizer = tokenizer
+        self.vocab_size = runner.config.vocab_size
         self.context_len = runner.context_len
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -84,7 +86,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
-        """Queue a validated request."""
+        """Queue a validated request (appending any text its grammar forces at the start)."""
+        if req.grammar is not None and not self.args.disable_jump_forward and not req.output_ids:
+            tokens = forced_prefix(self.tokenizer, req.grammar.forced_text(), req.grammar, req.params.max_new_tokens)
+            req.output_ids.extend(tokens)
+            req.jump_tokens += len(tokens)
+            if req.return_logprob:
+                req.output_logprobs.extend([0.0] * len(tokens))
+                req.output_top_logprobs.extend([None] * len(tokens))
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -165,16 +174,13 @@ class Scheduler:
         return total
 
     def _order_waiting(self) -> list[Req]:
-        ready = [r for r in self.waiting if r.grammar_future is None]
+        ready = list(self.waiting)
         if self.args.schedule_policy == "fcfs" or len(ready) > LPM_FALLBACK_QUEUE_LEN or self.kv.tree.disable:
             return ready
         tree = self.kv.tree
         lengths = {}
         for r in ready:
-            m = tree.match_prefix(r.fill_ids[: r.max_cacheable_prefix()])
-            tree.query_tokens -= r.max_cacheable_prefix()  # ordering probe, not a query
-            tree.hit_tokens -= m.length
-            lengths[id(r)] = m.length
+            lengths[id(r)] = tree.match_prefix(r.fill_ids[: r.max_cacheable_prefix()]).length
         return sorted(ready, key=lambda r: -lengths[id(r)])  # stable: FCFS on ties
 
     def _prefill_rows(self, budget: int) -> list[_Row]:
@@ -212,7 +218,8 @@ class Scheduler:
             req.kv = state
             if req.cached_tokens < 0:
                 req.cached_tokens = len(prefix_slots)
-                if req.wants_prompt_logprobs and req.logprob_start_len == 0:
+                self.kv.tree.record(len(req.input_ids), len(prefix_slots))
+                if req.needs_prompt_logprobs() and req.logprob_start_len == 0:
                     req.input_logprobs.append(None)
                     req.input_top_logprobs.append(None)
             self.waiting.remove(req)
@@ -250,7 +257,7 @@ class Scheduler:
             ids.extend(req.fill_ids[row.start : end])
             positions.append(torch.arange(row.start, end))
             out_slots.append(self.kv.slots(req.kv, row.start, end))
-            if req.wants_prompt_logprobs and not req.output_ids:
+            if req.needs_prompt_logprobs():
                 lo = max(row.start, max(req.logprob_start_len, 1) - 1)
                 hi = min(end, len(req.input_ids) - 1)
                 if hi > lo:
@@ -295,13 +302,23 @@ class Scheduler:
             row.req.kv.kv_len = row.start + row.length
         self._advance(rows, sampling, sampled)
 
+    def _grammar_mask(self, reqs: list[Req]) -> torch.Tensor | None:
+        """Allowed tokens per row (bool ``[B, V]``) from the rows' grammars; None if none has one."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        bitmask = torch.full((len(reqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                req.grammar.fill_bitmask(bitmask, i)
+        return unpack_bitmask(bitmask, self.vocab_size).to(self.runner.device)
+
     def _sample(self, rows: list[_Row], logits: torch.Tensor):
         reqs = [r.req for r in rows]
-        allowed = self.grammar_step(reqs) if self.grammar_step else None
+        allowed = self._grammar_mask(reqs)
         srows = []
         for req in reqs:
             banned = ()
-            if len(req.output_ids) < req.params.min_new_tokens:
+            if len(req.output_ids) < req.params.min_new_tokens and req.grammar is None:
                 banned = sorted((set() if req.params.ignore_eos else self.end_ids) | set(req.params.stop_token_ids))
             srows.append(
                 SamplingRow(
@@ -328,9 +345,13 @@ class Scheduler:
             if req.return_logprob:
                 req.output_logprobs.append(sampled.logprobs[i])
                 req.output_top_logprobs.append(sampled.top_logprobs[i])
-            if req.grammar is not None:
-                req.grammar.accept(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                self.running.remove(req)  # cannot happen with the mask applied; never emit invalid output
+                self._finish(req, FinishReason("abort", message="the grammar rejected a sampled token"))
+                continue
             reason = self._check_finish(req, token)
+            if reason is None and req.grammar is not None and not self.args.disable_jump_forward:
+                reason = self._jump_forward(req)
             if reason is not None:
                 self.running.remove(req)
                 self._finish(req, reason)
@@ -347,6 +368,26 @@ class Scheduler:
                 self.kv.cache_prefix(req.kv, req.fill_ids)  # share the prompt while it runs
         if not self.stats.num_retracted:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def _jump_forward(self, req: Req) -> FinishReason | None:
+        """Append what the grammar forces next; the new tokens are prefilled in the next step."""
+        budget = req.params.max_new_tokens - len(req.output_ids)
+        jump = plan_jump(self.tokenizer, req.output_ids, req.grammar.forced_text(), req.grammar, budget)
+        if jump is None:
+            return None
+        if jump.drop:
+            del req.output_ids[-jump.drop :]
+            if req.return_logprob:
+                del req.output_logprobs[-jump.drop :]
+                del req.output_top_logprobs[-jump.drop :]
+            req.kv.kv_len = min(req.kv.kv_len, req.seq_len)
+            req.detok = None  # the tail was re-tokenized: decode the output afresh
+        req.output_ids.extend(jump.tokens)
+        req.jump_tokens += len(jump.tokens) - jump.drop
+        if req.return_logprob:
+            req.output_logprobs.extend([0.0] * len(jump.tokens))
+            req.output_top_logprobs.extend([None] * len(jump.tokens))
+        return self._check_finish(req, req.output_ids[-1])
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params

@@ -11,6 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Without a GPU, Triton kernels can only run in Triton's interpreter; it must be chosen before
+# triton is first imported by any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The suite shares 2 cores with whatever else runs: one intra-op thread is faster and steadier.
 os.environ.setdefault("RADIXLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["RADIXLM_NUM_THREADS"]))

@@ -148,6 +148,8 @@ class Driver:
         req = Req(rid=rid, input_ids=list(input_ids), params=SamplingParams.from_dict(params), sink=sink, **extra)
         if req.params.seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
+        if req.params.constraint is not None:
+            req.grammar = self.rt.grammars.compile(*req.params.constraint).matcher()
         self.sched.add(req)
         return rid
 

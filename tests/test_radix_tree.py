@@ -96,11 +96,12 @@ def test_disabled_cache_matches_nothing_and_keeps_nothing():
     assert tree.total_size() == 0
 
 
-def test_hit_rate_counts_queried_and_cached_tokens():
+def test_hit_rate_counts_recorded_queries_only():
     tree, _ = _tree()
     tree.insert([1, 2, 3, 4], _slots(0, 4))
-    tree.match_prefix([1, 2, 3, 4])
-    tree.match_prefix([1, 2, 9, 9])
+    tree.match_prefix([1, 2, 9, 9])  # a probe: not counted
+    tree.record(4, 4)
+    tree.record(4, 2)
     assert tree.query_tokens == 8 and tree.hit_tokens == 6
     assert abs(tree.hit_rate() - 0.75) < 1e-9
 

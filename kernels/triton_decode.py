@@ -1,0 +1,205 @@
+"""Triton decode attention over the paged KV pool, split-KV ("flash-decoding") style.
+
+Each decode row has one query token. Its sequence (``seq_lens[b]`` tokens, whose slots are
+``req_to_token[req_rows[b], :seq_lens[b]]``) is cut into ``num_splits`` chunks::
+
+    stage 1, grid (B, Hkv, S):  chunk s of row b, all query heads of KV head g
+        -> partial output o[b, h, s, :] (already divided by its softmax sum) and
+           lse[b, h, s] = log-sum-exp of the chunk's scores (-inf for an empty chunk)
+    stage 2, grid (B, H):       o[b, h] = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
+
+Splitting keeps the GPU busy when the batch is small and sequences are long; with one split
+stage 2 is a plain copy. Scores are kept in the base-2 domain (``exp2``) with ``log2(e)`` folded
+into the scale; everything is accumulated in fp32 and the output is cast to ``q``'s dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# Stage 1. Grid (B, Hkv, S): program (b, g, s) handles KV head g of decode row b over chunk s of
+# its sequence, for all query heads h = g * GROUP + i (i < GROUP, padded to BLOCK_H >= 16 rows
+# so the score and value products are tensor-core dots). It runs an online softmax over the
+# chunk in steps of BLOCK_N tokens and stores the normalized partial output and its log-sum-exp.
+@triton.jit
+def _decode_split_kernel(
+    q, k_pool, v_pool, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
+    stride_qb, stride_qh,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_rt,
+    stride_mb, stride_mh, stride_ms,
+    stride_lb, stride_lh,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens + b)
+    row = tl.load(req_rows + b).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = g * GROUP + offs_h
+
+    q_ptrs = q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    qv = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    qv = qv.to(k_pool.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        mask_n = pos < end
+        slots = tl.load(req_to_token + row * stride_rt + pos, mask=mask_n, other=0).to(tl.int64)
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        kb = tl.load(k_pool + slots[:, None] * stride_kn + g * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        vb = tl.load(v_pool + slots[:, None] * stride_vn + g * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(qv, tl.trans(kb), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty chunk (start >= end) stores lse = -inf and a zero output; stage 2 gives it weight 0.
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    o_ptrs = mid_o + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + offs_d[None, :]
+    tl.store(o_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse + b * stride_lb + heads * stride_lh + s, lse, mask=mask_h)
+
+
+# Stage 2. Grid (B, H): program (b, h) loads the NUM_SPLITS partial outputs and log-sum-exps of
+# query head h of row b, weights each chunk by exp2(lse_s - max_s lse_s) and writes the
+# normalized sum to out[b, h] in the output's dtype.
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o, mid_lse, out,
+    stride_mb, stride_mh, stride_ms,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+
+    lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))  # the first chunk is never empty, so the max is finite
+    o_ptrs = mid_o + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :]
+    parts = tl.load(o_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    result = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out + b * stride_ob + h * stride_oh + offs_d, result.to(out.dtype.element_ty), mask=mask_d)
+
+
+def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
+    """Tokens per inner-loop step: 64 for 16-bit KV, fewer for fp32 so tiles fit shared memory."""
+    if INTERPRET:  # small, so tiny test shapes still take several steps and chunks
+        return 16
+    if dtype == torch.float32:
+        return 32 if head_dim <= 128 else 16
+    return 64
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The ``tl.dot`` input precision for a KV dtype: exact ``ieee`` for fp32, default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def num_kv_splits(
+    batch_size: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    min_split_tokens: int = 256,
+    max_splits: int = 16,
+    target_programs: int = 512,
+) -> int:
+    """Chunks per decode sequence: enough programs to fill a GPU, none under ``min_split_tokens``."""
+    by_length = math.ceil(max_seq_len / max(min_split_tokens, 1))
+    by_occupancy = math.ceil(target_programs / max(batch_size * num_kv_heads, 1))
+    return max(1, min(by_length, by_occupancy, max_splits))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int,
+    mid_o: torch.Tensor | None = None,
+    mid_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend ``q`` ``[B, H, D]`` (one token per row) over the pool; writes and returns ``out`` ``[B, H, D]``.
+
+    ``seq_lens`` (int32, ``[B]``) counts each row's tokens including the new one, whose KV must
+    already be in the pool. ``mid_o`` ``[B, H, S, D]`` and ``mid_lse`` ``[B, H, S]`` (fp32) are the
+    partial-result buffers; pass them to reuse one allocation across layers.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv = k_pool.shape[1]
+    if batch == 0:
+        return out
+    if num_heads % num_kv:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
+    group = num_heads // num_kv
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
+        raise ValueError("the last (head_dim) dimension of q, out and the pools must be contiguous")
+    if mid_o is None:
+        mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    if mid_lse is None:
+        mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_h = max(16, triton.next_power_of_2(group))
+    _decode_split_kernel[(batch, num_kv, num_splits)](
+        q, k_pool, v_pool, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        _LOG2E / math.sqrt(head_dim),
+        HEAD_DIM=head_dim, GROUP=group, NUM_SPLITS=num_splits,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=decode_block_n(head_dim, k_pool.dtype),
+        DOT_PRECISION=dot_precision(k_pool.dtype),
+        num_warps=4 if block_d <= 128 else 8, num_stages=2,
+    )
+    _decode_reduce_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        num_warps=2 if block_d <= 128 else 4,
+    )
+    return out

@@ -1,0 +1,132 @@
+"""The llguidance backend: regex, JSON schema and Lark/GBNF grammars via its Earley parser."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.specs import normalize_regex, parse_json_schema, unsupported_error
+
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+
+
+def _utf8_prefix(data: bytes) -> str:
+    """The longest prefix of ``data`` that is complete UTF-8."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return ""
+
+
+class LLGuidanceMatcher(Matcher):
+    """A request's state in an llguidance grammar."""
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def accept(self, token: int) -> bool:
+        """Consume ``token`` if the grammar allows it."""
+        return self._m.try_consume_tokens([token]) == 1
+
+    def accept_many(self, tokens: list[int]) -> int:
+        """Consume as many of ``tokens`` as the grammar allows, in order; returns how many."""
+        return self._m.try_consume_tokens(tokens)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the next step's allowed tokens into ``bitmask[row]``."""
+        v = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+    def is_terminated(self) -> bool:
+        """True when only end-of-sequence may follow."""
+        return self._m.is_stopped()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` tokens."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
+    def forced_text(self) -> str:
+        """The forced continuation (complete UTF-8 characters only)."""
+        return _utf8_prefix(self._m.compute_ff_bytes())
+
+    def copy(self) -> LLGuidanceMatcher:
+        """An independent copy."""
+        return LLGuidanceMatcher(self._m.deep_copy())
+
+    @property
+    def raw(self):
+        """The underlying ``llguidance.LLMatcher`` (for batched mask filling)."""
+        return self._m
+
+
+class LLGuidanceGrammar(CompiledGrammar):
+    """A validated llguidance grammar with a template matcher to copy per request."""
+
+    def __init__(self, template) -> None:
+        self._template = template
+
+    def matcher(self) -> LLGuidanceMatcher:
+        """A fresh matcher at the grammar's start."""
+        return LLGuidanceMatcher(self._template.deep_copy())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """Compiles specs with llguidance against one Hugging Face tokenizer."""
+
+    name = "llguidance"
+
+    def __init__(self, hf_tokenizer, vocab_size: int, end_ids: set[int], whitespace_pattern: str | None = None) -> None:
+        import llguidance
+        import llguidance.hf
+
+        self._LLMatcher = llguidance.LLMatcher
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(end_ids))
+        self.json_options = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
+        if whitespace_pattern is not None:
+            self.json_options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+
+    def _grammar(self, kind: str, spec: str) -> tuple[str, object]:
+        LLMatcher = self._LLMatcher
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(normalize_regex(spec)), None
+        if kind == "json_schema":
+            schema = parse_json_schema(spec)
+            try:
+                return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=dict(self.json_options)), schema
+            except ValueError as exc:
+                raise GrammarError(f"json_schema: {exc}") from None
+        if kind == "ebnf":
+            lark = spec
+            if "::=" in spec:  # GBNF (llama.cpp / xgrammar style)
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                try:
+                    lark = gbnf_to_lark(spec)
+                except Exception as exc:
+                    raise GrammarError(f"ebnf: cannot parse the GBNF grammar: {exc}") from None
+            return LLMatcher.grammar_from_lark(lark), None
+        raise GrammarError(f"unknown constraint kind {kind!r}")
+
+    def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
+        """Build and validate the grammar; GrammarError names the offending keyword or syntax."""
+        grammar, schema = self._grammar(kind, spec)
+        is_error, messages = self._LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            raise self._error(kind, messages[0] if messages else "invalid grammar", schema)
+        template = self._LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise self._error(kind, template.get_error(), schema)
+        return LLGuidanceGrammar(template)
+
+    def _error(self, kind: str, message: str, schema) -> GrammarError:
+        m = _UNIMPLEMENTED.search(message)
+        if m and schema is not None:
+            keys = [k.strip().strip('"') for k in m.group(1).split(",") if k.strip()]
+            return unsupported_error(self.name, schema, keys)
+        return GrammarError(f"invalid {kind}: {message.strip()}")

@@ -1,0 +1,211 @@
+"""The outlines-core backend: regexes (and JSON schemas turned into regexes) as token FSMs.
+
+outlines-core enforces what a regex can express and silently drops the rest of a JSON schema,
+so schemas are checked against the keywords it really enforces first (fail closed). Forced
+continuations for jump-forward come from interegular's character FSM of the same regex.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.specs import (
+    ANNOTATIONS,
+    iter_keywords,
+    normalize_regex,
+    parse_json_schema,
+    unsupported_error,
+)
+from radixlm.runtime.constrained.vocab import token_bytes
+
+# What outlines-core's schema-to-regex translation enforces. Integer/number bounds, allOf,
+# oneOf's "exactly one", uniqueItems, patternProperties, not, if/then/else ... are not.
+ENFORCED = frozenset(
+    {
+        "type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum", "const",
+        "anyOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern", "format",
+        "minItems", "maxItems",
+    }
+)
+FORMATS = frozenset({"date-time", "date", "time", "uuid", "uri", "email"})
+_MAX_ROLLBACK = 64
+
+
+class CharFSM:
+    """interegular's character FSM of a regex: tracks text and reports forced characters."""
+
+    def __init__(self, regex: str) -> None:
+        import interegular
+
+        self.fsm = interegular.parse_pattern(regex).to_fsm()
+        self.anything_else = interegular.fsm.anything_else
+        self.chars = {sym: chars for sym, chars in self.fsm.alphabet.by_transition.items()}
+
+    def step(self, state: int | None, text: str) -> int | None:
+        """The state after reading ``text`` (None once the text left the language)."""
+        for ch in text:
+            if state is None:
+                return None
+            sym = self.fsm.alphabet[ch] if ch in self.fsm.alphabet else self.fsm.alphabet[self.anything_else]
+            state = self.fsm.map.get(state, {}).get(sym)
+        return state
+
+    def forced(self, state: int | None, limit: int = 256) -> str:
+        """Characters that must come next: while the state is not final and has one single-char exit."""
+        out: list[str] = []
+        while state is not None and state not in self.fsm.finals and len(out) < limit:
+            exits = self.fsm.map.get(state, {})
+            if len(exits) != 1:
+                break
+            sym, nxt = next(iter(exits.items()))
+            chars = self.chars.get(sym, [])
+            if len(chars) != 1 or chars[0] is self.anything_else:
+                break
+            out.append(chars[0])
+            state = nxt
+        return "".join(out)
+
+
+class OutlinesMatcher(Matcher):
+    """A request's state: the token-level guide plus the character FSM for forced text."""
+
+    def __init__(self, guide, token_text: dict[int, bytes], charfsm: CharFSM | None) -> None:
+        self._guide = guide
+        self._bytes = token_text
+        self._fsm = charfsm
+        self._states = [charfsm.fsm.initial if charfsm else None]
+        self._pending = [b""]  # undecoded UTF-8 tail after each token
+
+    def accept(self, token: int) -> bool:
+        """Advance if ``token`` is allowed."""
+        if not self._guide.accepts_tokens([token]):
+            return False
+        self._guide.advance(token, return_tokens=False)
+        if self._fsm is not None:
+            data = self._pending[-1] + self._bytes.get(token, b"")
+            text, rest = _split_utf8(data)
+            self._states.append(self._fsm.step(self._states[-1], text))
+            self._pending.append(rest)
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens into ``bitmask[row]``."""
+        v = bitmask[row]
+        self._guide.write_mask_into(v.data_ptr(), v.numel(), v.element_size())
+
+    def is_terminated(self) -> bool:
+        """True when only EOS may follow."""
+        return self._guide.is_finished()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` tokens."""
+        if num_tokens:
+            self._guide.rollback_state(num_tokens)
+            if self._fsm is not None:
+                del self._states[-num_tokens:]
+                del self._pending[-num_tokens:]
+
+    def forced_text(self) -> str:
+        """Forced characters from the character FSM ('' with a partial UTF-8 character pending)."""
+        if self._fsm is None or self._pending[-1]:
+            return ""
+        return self._fsm.forced(self._states[-1])
+
+    def copy(self) -> OutlinesMatcher:
+        """An independent copy."""
+        import copy
+
+        twin = OutlinesMatcher(copy.deepcopy(self._guide), self._bytes, self._fsm)
+        twin._states, twin._pending = list(self._states), list(self._pending)
+        return twin
+
+
+def _split_utf8(data: bytes) -> tuple[str, bytes]:
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            return data[:cut].decode("utf-8"), data[cut:]
+        except UnicodeDecodeError:
+            continue
+    return "", data
+
+
+class OutlinesGrammar(CompiledGrammar):
+    """A compiled outlines-core index and the character FSM of its regex."""
+
+    def __init__(self, index, token_text: dict[int, bytes], charfsm: CharFSM | None) -> None:
+        self._index, self._bytes, self._fsm = index, token_text, charfsm
+
+    def matcher(self) -> OutlinesMatcher:
+        """A guide at the start state."""
+        import outlines_core
+
+        return OutlinesMatcher(outlines_core.Guide(self._index, max_rollback=_MAX_ROLLBACK), self._bytes, self._fsm)
+
+
+class OutlinesBackend(GrammarBackend):
+    """Compiles regexes and JSON schemas with outlines-core (no EBNF)."""
+
+    name = "outlines"
+
+    def __init__(self, hf_tokenizer, vocab_size: int, end_ids: set[int], whitespace_pattern: str | None = None) -> None:
+        import outlines_core
+
+        self._oc = outlines_core
+        eos = hf_tokenizer.eos_token_id if hf_tokenizer.eos_token_id is not None else min(end_ids)
+        self._bytes = {t: b for t, b in token_bytes(hf_tokenizer).items() if t < vocab_size and t not in end_ids and b}
+        groups: dict[bytes, list[int]] = {}
+        for tid, data in self._bytes.items():
+            groups.setdefault(data, []).append(tid)
+        self.vocabulary = outlines_core.Vocabulary(eos, groups)
+        self.whitespace_pattern = whitespace_pattern if whitespace_pattern is not None else ""
+
+    def schema_regex(self, spec: str) -> str:
+        """The regex outlines-core builds for a JSON schema, after checking it is enforceable."""
+        schema = parse_json_schema(spec)
+        bad = {k for k, _ in iter_keywords(schema) if k not in ENFORCED and k not in ANNOTATIONS}
+        if _unknown_format(schema):
+            bad.add("format")
+        if bad:
+            raise unsupported_error(self.name, schema, sorted(bad))
+        try:
+            return self._oc.json_schema.build_regex_from_schema(json.dumps(schema), self.whitespace_pattern)
+        except Exception as exc:
+            raise GrammarError(f"json_schema: {exc}") from None
+
+    def compile(self, kind: str, spec: str) -> OutlinesGrammar:
+        """Compile to an outlines-core index; GrammarError on bad or unsupported specs."""
+        if kind == "ebnf":
+            raise GrammarError("ebnf grammars need the llguidance backend (--grammar-backend llguidance)")
+        if kind == "json_schema":
+            regex = self.schema_regex(spec)
+        elif kind == "regex":
+            regex = spec
+        else:
+            raise GrammarError(f"unknown constraint kind {kind!r}")
+        regex = normalize_regex(regex)
+        try:
+            index = self._oc.Index(regex, self.vocabulary)
+        except Exception as exc:
+            raise GrammarError(f"invalid {kind}: {exc}") from None
+        try:
+            charfsm = CharFSM(regex)
+        except Exception:  # interegular cannot parse it: no jump-forward for this grammar
+            charfsm = None
+        return OutlinesGrammar(index, self._bytes, charfsm)
+
+
+def _unknown_format(schema) -> bool:
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            fmt = node.get("format")
+            if isinstance(fmt, str) and fmt not in FORMATS and node.get("type") == "string":
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
