@@ -238,6 +238,19 @@ class Engine:
         """Abort a waiting or running request; False if no such request is in flight."""
         return self._call(lambda: self.scheduler.abort(rid))
 
+    def abort_nowait(self, rid: str) -> None:
+        """Ask the loop to abort a request, without waiting (safe from an event loop)."""
+        if self.is_alive():
+            self._inbox.put(("call", (lambda: self.scheduler.abort(rid), concurrent.futures.Future())))
+
+    async def start_request(self, **kwargs: Any) -> tuple[Req, asyncio.Queue]:
+        """Validate, compile the constraint of, and queue one request; outputs arrive on the queue."""
+        q: asyncio.Queue = asyncio.Queue()
+        req = self.make_request(_async_sink(asyncio.get_running_loop(), q), **kwargs)
+        await self.attach_grammar_async(req)
+        self.submit(req)
+        return req, q
+
     # ----------------------------------------------------------- public API
     def generate(
         self,
@@ -296,8 +309,7 @@ class Engine:
                 if out.finished:
                     return
         finally:
-            if self.is_alive():
-                self._inbox.put(("call", (lambda: self.scheduler.abort(rid), concurrent.futures.Future())))
+            self.abort_nowait(rid)
 
     async def async_generate(
         self,
@@ -343,8 +355,8 @@ class Engine:
                     finished = True
                     return
         finally:
-            if not finished and self.is_alive():
-                self._inbox.put(("call", (lambda: self.scheduler.abort(rid), concurrent.futures.Future())))
+            if not finished:
+                self.abort_nowait(rid)
 
     def _split_batch(self, prompt, input_ids, sampling_params) -> tuple[bool, list[dict[str, Any]]]:
         if (prompt is None) == (input_ids is None):
@@ -392,6 +404,15 @@ class Engine:
     def check_accounting(self) -> None:
         """Assert on the loop thread that every KV slot is free, in the tree or held by a request."""
         self._call(self.scheduler.check_accounting)
+
+    def kv_invariant_holds(self) -> bool:
+        """``check_accounting`` as a boolean (for the server's info route)."""
+        try:
+            self.check_accounting()
+            return True
+        except AssertionError:
+            logger.exception("KV accounting broken")
+            return False
 
     def flush_cache(self) -> bool:
         """Empty the radix cache; False (nothing done) while requests are in flight."""

@@ -70,22 +70,23 @@ class Req:
     first_token_time: float | None = None
     abort_requested: bool = False
     grammar: Any = None  # the constraint's Matcher, if any
-    jump_tokens: int = 0  # output tokens appended by jump-forward
+    draft_ids: list[int] = field(default_factory=list)  # forced text proposed by jump-forward, unverified
+    accepted_draft_tokens: int = 0  # output tokens that came from verified drafts
 
     @property
     def fill_ids(self) -> list[int]:
-        """Every token of the sequence so far (prompt then output)."""
-        return self.input_ids + self.output_ids
+        """Every token of the sequence so far: prompt, output, then unverified draft tokens."""
+        return self.input_ids + self.output_ids + self.draft_ids
 
     @property
     def seq_len(self) -> int:
-        """Length of the sequence so far."""
-        return len(self.input_ids) + len(self.output_ids)
+        """Length of the sequence so far (drafts included)."""
+        return len(self.input_ids) + len(self.output_ids) + len(self.draft_ids)
 
     @property
-    def prefill_done(self) -> bool:
-        """True once every token but the newest has its KV in the pool."""
-        return self.kv is not None and self.kv.kv_len >= self.seq_len - 1
+    def generating(self) -> bool:
+        """True once every token before the newest output token (and its drafts) has KV."""
+        return self.kv is not None and self.kv.kv_len >= self.seq_len - 1 - len(self.draft_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -97,12 +98,12 @@ class Req:
         return self.wants_prompt_logprobs and len(self.input_logprobs) < len(self.input_ids) - self.logprob_start_len
 
     def max_cacheable_prefix(self) -> int:
-        """How much of the sequence may come from the cache (at least one token is recomputed)."""
-        limit = self.seq_len - 1
+        """How much of the sequence may come from the cache (the token before any drafts is recomputed)."""
+        limit = self.seq_len - 1 - len(self.draft_ids)
         if self.needs_prompt_logprobs():
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit
 
     def remaining_tokens(self) -> int:
         """Upper bound on the tokens this request may still generate."""
-        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.params.max_new_tokens - len(self.output_ids) - len(self.draft_ids), 0)

@@ -77,6 +77,18 @@ def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow])
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def _prepare(logits: torch.Tensor, rows: Sequence[SamplingRow], allowed_mask: torch.Tensor | None) -> torch.Tensor:
+    """Masked, banned and penalized copy of ``logits``."""
+    logits = logits.clone()
+    if allowed_mask is not None:
+        logits.masked_fill_(~allowed_mask, float("-inf"))
+    for i, row in enumerate(rows):
+        if row.banned_ids:
+            logits[i, list(row.banned_ids)] = float("-inf")
+    apply_penalties(logits, rows)
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],
@@ -85,13 +97,7 @@ def sample(
 ) -> SampleResult:
     """Pick one token per row of ``logits`` ``[B, V]`` (fp32); ``allowed_mask`` is bool ``[B, V]``."""
     raw = logits
-    logits = logits.clone()
-    if allowed_mask is not None:
-        logits.masked_fill_(~allowed_mask, float("-inf"))
-    for i, row in enumerate(rows):
-        if row.banned_ids:
-            logits[i, list(row.banned_ids)] = float("-inf")
-    apply_penalties(logits, rows)
+    logits = _prepare(logits, rows, allowed_mask)
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -114,12 +120,45 @@ def sample(
                 noise[j].exponential_(generator=r.generator)
         tokens[idx] = (probs / noise).argmax(dim=-1)
 
+    return _with_logprobs(raw, tokens, rows)
+
+
+def accept_draft(
+    logits: torch.Tensor,
+    row: SamplingRow,
+    draft: int,
+    default_generator: torch.Generator | None = None,
+    allowed_mask: torch.Tensor | None = None,
+) -> SampleResult:
+    """Pick a token for one position that has a proposed (draft) token, keeping the law exact.
+
+    Greedy rows take the argmax (so the draft survives only if it is the argmax). Sampled rows
+    use speculative acceptance with a point-mass proposal: keep the draft with probability
+    ``p(draft)``, else sample from ``p`` with the draft removed; the result is distributed as ``p``.
+    """
+    raw = logits[None]
+    x = _prepare(raw, [row], None if allowed_mask is None else allowed_mask[None])
+    if row.params.greedy:
+        token = int(x[0].argmax())
+    else:
+        gen = row.generator or default_generator
+        probs = _filter_top_k_top_p_min_p(x / row.params.temperature, [row])[0]
+        if float(torch.rand((), generator=gen, device=probs.device)) < float(probs[draft]):
+            token = draft
+        else:
+            probs[draft] = 0.0
+            noise = torch.empty_like(probs).exponential_(generator=gen)
+            token = int((probs / noise).argmax())
+    return _with_logprobs(raw, torch.tensor([token]), [row])
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
     token_list = tokens.tolist()
     logprobs: list[float | None] = [None] * len(rows)
     tops: list[list[tuple[float, int]] | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.want_logprob]
     if want:
-        idx = torch.tensor(want, device=logits.device)
+        idx = torch.tensor(want, device=raw.device)
         lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
         chosen = lp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
         for j, i in enumerate(want):

@@ -170,3 +170,58 @@ class Driver:
                 return
             self.step()
         raise AssertionError("requests did not finish")
+
+
+class ServerProcess:
+    """``radixlm serve`` as a child process on a free loopback port."""
+
+    def __init__(self, model_path: str, *extra: str, env: dict | None = None) -> None:
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [str(Path(sys.executable).parent / "radixlm"), "serve", "--model-path", model_path, "--port", str(self.port), *extra]
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"radixlm-server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RADIXLM_NUM_THREADS": "1", **(env or {})})
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        """Block until /health answers 200 (or fail with the server's log)."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"server did not become healthy:\n{self.output()}")
+
+    def output(self) -> str:
+        """Everything the server printed."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        """SIGTERM, wait, and return the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode

@@ -45,6 +45,10 @@ class Matcher(ABC):
     def copy(self) -> Matcher:
         """An independent matcher in the same state."""
 
+    def error(self) -> str | None:
+        """Why the matcher can no longer be trusted (a backend limit was hit), or None."""
+        return None
+
 
 class CompiledGrammar(ABC):
     """A spec compiled against a vocabulary; immutable and shared through the cache."""

@@ -8,7 +8,12 @@ import re
 import torch
 
 from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
-from radixlm.runtime.constrained.specs import normalize_regex, parse_json_schema, unsupported_error
+from radixlm.runtime.constrained.specs import (
+    check_refs,
+    normalize_regex,
+    parse_json_schema,
+    unsupported_error,
+)
 
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
 
@@ -59,6 +64,10 @@ class LLGuidanceMatcher(Matcher):
         """An independent copy."""
         return LLGuidanceMatcher(self._m.deep_copy())
 
+    def error(self) -> str | None:
+        """The matcher's error message once it entered its error state."""
+        return self._m.get_error() if self._m.is_error() else None
+
     @property
     def raw(self):
         """The underlying ``llguidance.LLMatcher`` (for batched mask filling)."""
@@ -66,14 +75,22 @@ class LLGuidanceMatcher(Matcher):
 
 
 class LLGuidanceGrammar(CompiledGrammar):
-    """A validated llguidance grammar with a template matcher to copy per request."""
+    """A validated llguidance grammar with a template matcher to copy per request.
+
+    The template computes its first mask at compile time and every copy computes its own once
+    when made, so the lexer's (sometimes slow) first steps run on the caller's thread, never on
+    the scheduler's.
+    """
 
     def __init__(self, template) -> None:
         self._template = template
+        template.compute_bitmask()
 
     def matcher(self) -> LLGuidanceMatcher:
-        """A fresh matcher at the grammar's start."""
-        return LLGuidanceMatcher(self._template.deep_copy())
+        """A fresh matcher at the grammar's start, its first mask already computed once."""
+        m = self._template.deep_copy()
+        m.compute_bitmask()
+        return LLGuidanceMatcher(m)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -97,6 +114,7 @@ class LLGuidanceBackend(GrammarBackend):
             return LLMatcher.grammar_from_regex(normalize_regex(spec)), None
         if kind == "json_schema":
             schema = parse_json_schema(spec)
+            check_refs(schema)
             try:
                 return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=dict(self.json_options)), schema
             except ValueError as exc:

@@ -14,6 +14,7 @@ import torch
 from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
 from radixlm.runtime.constrained.specs import (
     ANNOTATIONS,
+    check_refs,
     iter_keywords,
     normalize_regex,
     parse_json_schema,
@@ -165,6 +166,7 @@ class OutlinesBackend(GrammarBackend):
     def schema_regex(self, spec: str) -> str:
         """The regex outlines-core builds for a JSON schema, after checking it is enforceable."""
         schema = parse_json_schema(spec)
+        check_refs(schema)
         bad = {k for k, _ in iter_keywords(schema) if k not in ENFORCED and k not in ANNOTATIONS}
         if _unknown_format(schema):
             bad.add("format")
@@ -187,7 +189,9 @@ class OutlinesBackend(GrammarBackend):
             raise GrammarError(f"unknown constraint kind {kind!r}")
         regex = normalize_regex(regex)
         try:
-            index = self._oc.Index(regex, self.vocabulary)
+            # outlines-core's automaton otherwise stops at the first point where the regex has
+            # matched (e.g. after "a.bc" for [a-z.]+\.[a-z]{2}), refusing valid longer text.
+            index = self._oc.Index(f"(?:{regex})$", self.vocabulary)
         except Exception as exc:
             raise GrammarError(f"invalid {kind}: {exc}") from None
         try:

@@ -27,6 +27,36 @@ def parse_json_schema(spec: str | dict | bool) -> dict | bool:
     return schema
 
 
+def check_refs(schema: Any) -> None:
+    """Raise GrammarError for a ``$ref`` that does not resolve inside the schema."""
+    for key, path in iter_keywords(schema):
+        if key != "$ref":
+            continue
+        node = _at(schema, path)
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path} is not a local reference (only '#/...' is supported)")
+        if _at(schema, ref[1:] or "/", unescape=True) is _MISSING:
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path} points to nothing in the schema")
+
+
+_MISSING = object()
+
+
+def _at(schema: Any, pointer: str, unescape: bool = True) -> Any:
+    node = schema
+    for part in [p for p in pointer.split("/") if p != ""]:
+        if unescape:
+            part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
 def _escape_pointer(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 

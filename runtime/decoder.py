@@ -1,0 +1,191 @@
+"""Decoder: turns a forward pass's logits into tokens and advances the requests.
+
+Per step it records prompt logprobs, applies each constrained row's grammar mask, samples one
+token per plain row (batched), verifies draft tokens row by row, appends what was picked, checks
+stop conditions and proposes the next drafts (jump-forward).
+
+Jump-forward with verification: when the grammar forces a string, its tokens are appended as
+*drafts* and computed in the next pass together with the token before them; the model then
+picks a token at every draft position under the grammar mask, exactly as plain decoding would,
+and a draft survives only if it is what was picked (speculative acceptance for sampled rows).
+Greedy output is therefore identical with and without jump-forward; each pass still yields one
+token at least, and one per accepted draft more.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
+from radixlm.runtime.constrained.jump_forward import draft_tokens
+from radixlm.runtime.output import OutputBuilder
+from radixlm.runtime.request import FinishReason, Req
+from radixlm.runtime.sampler import SamplingRow, accept_draft, prompt_logprobs, sample
+from radixlm.runtime.schedule_batch import LogitSpans
+from radixlm.runtime.server_args import ServerArgs
+
+
+@dataclass
+class _Picked:
+    """Tokens picked for one request in this step (and why the grammar stopped it, if it did)."""
+
+    req: Req
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list = field(default_factory=list)
+    refused: str | None = None
+
+    def add(self, token: int, logprob: float | None, top) -> None:
+        """Record one picked token."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        self.tops.append(top)
+
+
+class Decoder:
+    """Picks tokens from logits and applies them to requests (no KV bookkeeping)."""
+
+    def __init__(self, args: ServerArgs, tokenizer, outputs: OutputBuilder, end_ids: set[int], vocab_size: int, context_len: int, device: torch.device) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.outputs = outputs
+        self.end_ids = end_ids
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(args.random_seed)
+
+    # ------------------------------------------------------------ the step
+    def process(self, logits: torch.Tensor, spans: LogitSpans) -> list[tuple[Req, FinishReason]]:
+        """Consume the logits of one pass; returns the requests that finished and why."""
+        for row, first, pos, count in spans.prompt:
+            req = row.req
+            values, tops = prompt_logprobs(logits[first : first + count], req.input_ids[pos + 1 : pos + 1 + count], req.top_logprobs_num)
+            req.input_logprobs.extend(values)
+            req.input_top_logprobs.extend(tops or [None] * count)
+        plain = [(row, first) for row, first, count in spans.picks if count == 1]
+        picked: list[_Picked] = []
+        if plain:
+            reqs = [row.req for row, _ in plain]
+            rows_logits = logits.index_select(0, torch.tensor([f for _, f in plain], device=logits.device))
+            res = sample(rows_logits, [self._sampling_row(r, r.output_ids) for r in reqs], self.generator, self._grammar_mask(reqs))
+            for r, t, lp, top in zip(reqs, res.token_ids, res.logprobs, res.top_logprobs):
+                pick = _Picked(r)
+                if self._grammar_takes(r, t, pick):
+                    pick.add(t, lp, top)
+                picked.append(pick)
+        for row, first, count in spans.picks:
+            if count > 1:
+                picked.append(self._verify(row.req, logits[first : first + count]))
+        finished = []
+        now = time.monotonic()
+        for pick in picked:
+            reason = self._append(pick, now)
+            if reason is not None:
+                finished.append((pick.req, reason))
+        return finished
+
+    # ------------------------------------------------------------ picking
+    def _sampling_row(self, req: Req, output_ids: list[int]) -> SamplingRow:
+        banned: tuple | list = ()
+        if len(output_ids) < req.params.min_new_tokens and req.grammar is None:
+            banned = sorted((set() if req.params.ignore_eos else self.end_ids) | set(req.params.stop_token_ids))
+        return SamplingRow(req.params, req.input_ids, output_ids, req.generator, banned, req.return_logprob, req.top_logprobs_num)
+
+    def _grammar_mask(self, reqs: list[Req]) -> torch.Tensor | None:
+        """Allowed tokens per row (bool ``[B, V]``); None when no row is constrained."""
+        if all(r.grammar is None for r in reqs):
+            return None
+        bitmask = torch.full((len(reqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        for i, req in enumerate(reqs):
+            if req.grammar is not None:
+                req.grammar.fill_bitmask(bitmask, i)
+                if req.grammar.error() is not None:  # fail closed: the pick is refused below
+                    bitmask[i] = 0
+        return unpack_bitmask(bitmask, self.vocab_size).to(self.device)
+
+    def _grammar_takes(self, req: Req, token: int, pick: _Picked) -> bool:
+        """Feed a picked token to the request's grammar; on refusal record why (fail closed)."""
+        if req.grammar is None:
+            return True
+        error = req.grammar.error()
+        if error is None and req.grammar.accept(token):
+            return True
+        pick.refused = error or f"the grammar refused token {token}"
+        return False
+
+    def _verify(self, req: Req, logits: torch.Tensor) -> _Picked:
+        """Pick at each draft position in turn; stop at the first pick that differs from the draft."""
+        drafts, req.draft_ids = req.draft_ids, []
+        pick = _Picked(req)
+        for i in range(len(drafts) + 1):
+            srow = self._sampling_row(req, req.output_ids + pick.tokens)
+            mask = self._grammar_mask([req])
+            if i < len(drafts):
+                res = accept_draft(logits[i], srow, drafts[i], self.generator, None if mask is None else mask[0])
+            else:
+                res = sample(logits[i : i + 1], [srow], self.generator, mask)
+            token = res.token_ids[0]
+            if not self._grammar_takes(req, token, pick):
+                break
+            pick.add(token, res.logprobs[0], res.top_logprobs[0])
+            if i == len(drafts) or token != drafts[i]:
+                break
+            req.accepted_draft_tokens += 1
+            if req.grammar is not None and req.grammar.is_terminated():
+                break  # the drafts completed the grammar: nothing more to pick
+        return pick
+
+    # ---------------------------------------------------------- bookkeeping
+    def _append(self, pick: _Picked, now: float) -> FinishReason | None:
+        """Append picked tokens; returns a finish reason, or None (and proposes new drafts)."""
+        req = pick.req
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.output_ids.extend(pick.tokens)
+        if req.return_logprob:
+            req.output_logprobs.extend(pick.logprobs)
+            req.output_top_logprobs.extend(pick.tops)
+        if req.kv is not None:  # KV computed for rejected drafts is stale
+            req.kv.kv_len = min(req.kv.kv_len, req.seq_len - 1)
+        if pick.refused is not None:
+            self.outputs.update_text(req, final=True)
+            return FinishReason("abort", message=f"constraint failed: {pick.refused}")
+        reason = self._check_finish(req, pick.tokens[-1])
+        if reason is None and req.grammar is not None and not self.args.disable_jump_forward:
+            self._propose_drafts(req)
+        if reason is None and req.stream:
+            req.sink(self.outputs.build(req, finished=False))
+        return reason
+
+    def _propose_drafts(self, req: Req) -> None:
+        budget = min(req.remaining_tokens(), self.context_len - 1 - req.seq_len)
+        req.draft_ids = draft_tokens(self.tokenizer, req.grammar.forced_text(), budget)
+
+    def propose_initial_drafts(self, req: Req) -> None:
+        """Drafts for text the grammar forces before anything is generated."""
+        if req.grammar is not None and not self.args.disable_jump_forward and not req.output_ids:
+            self._propose_drafts(req)
+
+    def _check_finish(self, req: Req, token: int) -> FinishReason | None:
+        p = req.params
+        n_out = len(req.output_ids)
+        if not p.ignore_eos and token in self.end_ids and n_out >= p.min_new_tokens:
+            self.outputs.update_text(req, final=True)
+            return FinishReason("stop", matched=token)
+        if token in p.stop_token_ids and n_out >= p.min_new_tokens:
+            self.outputs.update_text(req, final=True)
+            return FinishReason("stop", matched=token)
+        if req.grammar is not None and req.grammar.is_terminated():
+            self.outputs.update_text(req, final=True)
+            return FinishReason("stop", matched=None)
+        stop = self.outputs.update_text(req, final=False)
+        if stop is not None and n_out >= p.min_new_tokens:
+            return FinishReason("stop", matched=stop)
+        if n_out >= p.max_new_tokens or req.seq_len >= self.context_len:
+            self.outputs.update_text(req, final=True)
+            return FinishReason("length")
+        return None

@@ -1,0 +1,50 @@
+"""Prometheus metrics of a server: request counts, tokens, KV usage and latency histograms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    """One registry per server (no process-global state)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("radixlm_num_running_requests", "Requests decoding or prefilling.", registry=r)
+        self.waiting = Gauge("radixlm_num_waiting_requests", "Requests waiting for admission.", registry=r)
+        self.kv_usage = Gauge("radixlm_kv_cache_usage_ratio", "Share of KV slots not free (tree + running).", registry=r)
+        self.hit_rate = Gauge("radixlm_cache_hit_rate", "Cached prompt tokens over prompt tokens.", registry=r)
+        self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("radixlm_generation_tokens", "Tokens generated.", registry=r)
+        self.cached_tokens = Counter("radixlm_cached_tokens", "Prompt tokens served from the radix cache.", registry=r)
+        self.requests = Counter("radixlm_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r)
+        self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixlm_inter_token_latency_seconds", "Mean time between output tokens, per request.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency.", buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_finished(self, meta: dict[str, Any]) -> None:
+        """Count one finished request from its meta_info."""
+        self.prompt_tokens.inc(meta["prompt_tokens"])
+        self.generation_tokens.inc(meta["completion_tokens"])
+        self.cached_tokens.inc(meta["cached_tokens"])
+        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        self.requests.labels(finish_reason=reason).inc()
+        self.e2e.observe(meta["e2e_latency"])
+        if "ttft" in meta:
+            self.ttft.observe(meta["ttft"])
+            if meta["completion_tokens"] > 1:
+                self.itl.observe((meta["e2e_latency"] - meta["ttft"]) / (meta["completion_tokens"] - 1))
+
+    def render(self, stats: dict[str, Any]) -> bytes:
+        """The exposition text, with gauges refreshed from the engine's stats."""
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        total = stats["max_total_tokens"]
+        self.kv_usage.set((total - stats["free_slots"]) / total if total else 0.0)
+        self.hit_rate.set(stats["cache_hit_rate"])
+        return generate_latest(self.registry)

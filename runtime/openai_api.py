@@ -1,0 +1,376 @@
+"""OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions`` (blocking and streamed)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from radixlm.runtime import tool_calls
+from radixlm.runtime.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    new_id,
+    now,
+)
+from radixlm.runtime.request import ReqOutput
+from radixlm.runtime.server import APIError, ServerState, bad_request, stream_response, wait_final
+from radixlm.runtime.tokenizer import apply_chat_template
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    """Register the OpenAI routes on ``app``."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _run(state, request, _plan_completion(state, body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _run(state, request, _plan_chat(state, body))
+
+
+@dataclass
+class _Plan:
+    """What to run for one OpenAI request and how to shape the answer."""
+
+    chat: bool
+    model: str
+    prompts: list[list[int]]  # one per prompt (completions may take several)
+    prompt_texts: list[str]
+    sampling: dict[str, Any]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives wanted (0 = chosen token only); None = no logprobs
+    echo: bool = False
+    tool_mode: str | None = None  # "required", "named", "auto"
+    tool_name: str | None = None
+    id: str = field(default_factory=lambda: new_id("cmpl"))
+
+
+# ------------------------------------------------------------------ planning
+def _sampling(state: ServerState, body, max_tokens: int | None, prompt_len: int) -> dict[str, Any]:
+    """Engine sampling params from OpenAI fields (with context-length checks)."""
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if body.best_of not in (None, body.n):
+        raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+    ctx = state.engine.context_len
+    if prompt_len >= ctx:
+        raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {prompt_len}", param="messages" if hasattr(body, "messages") else "prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = ctx - prompt_len
+    elif prompt_len + max_tokens > ctx:
+        raise APIError(400, f"this model's maximum context length is {ctx} tokens; you asked for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)", param="max_tokens", code="context_length_exceeded")
+    sp: dict[str, Any] = {"max_new_tokens": max_tokens}
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"), ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"), ("min_new_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"), ("stop_token_ids", "stop_token_ids"), ("skip_special_tokens", "skip_special_tokens"), ("seed", "seed")):
+        value = getattr(body, theirs)
+        if value is not None:
+            sp[ours] = value
+    if body.stop is not None:
+        sp["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    given = [k for k in ("regex", "ebnf", "json_schema") if getattr(body, k) is not None]
+    if len(given) > 1:
+        raise APIError(400, f"give at most one of regex, ebnf, json_schema (got {', '.join(given)})", param=given[1])
+    for k in given:
+        sp[k] = getattr(body, k)
+    return sp
+
+
+def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
+    engine = state.engine
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    p = body.prompt
+    if isinstance(p, str):
+        texts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        texts = [None]
+        p = [p]
+    elif p and all(isinstance(x, str) for x in p):
+        texts = list(p)
+    elif p and all(isinstance(x, list) for x in p):
+        texts = [None] * len(p)
+    else:
+        raise APIError(400, "prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+    prompts = []
+    for i, t in enumerate(texts):
+        ids = engine.tokenize(t) if t is not None else list(p[i])
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        bad = [x for x in ids if not 0 <= x < engine.config.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token {bad[0]} is outside the vocabulary", param="prompt")
+        prompts.append(ids)
+    texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+    sampling = _sampling(state, body, body.max_tokens, max(len(x) for x in prompts))
+    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo)
+
+
+def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
+    engine = state.engine
+    tools = body.tools or []
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
+    named = None
+    if isinstance(choice, NamedToolChoice):
+        named = next((t for t in tools if t.function.name == choice.function["name"]), None)
+        if named is None:
+            raise APIError(400, f"tool_choice names {choice.function['name']!r}, which is not in tools", param="tool_choice")
+    renders = tool_calls.template_renders_tools(engine.tokenizer)
+    use_tools = tools if choice != "none" else []
+    messages = tool_calls.template_messages(body.messages, use_tools, renders)
+    try:
+        text = apply_chat_template(engine.tokenizer, messages, tools=[t.model_dump() for t in use_tools] if (renders and use_tools) else None)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    except Exception as exc:  # the template itself rejected the conversation
+        raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+    ids = engine.tokenize(text, add_special_tokens=False)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    sampling = _sampling(state, body, max_tokens, len(ids))
+    constrained = [k for k in ("regex", "ebnf", "json_schema") if k in sampling]
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        if constrained:
+            raise APIError(400, "response_format cannot be combined with regex, ebnf or json_schema", param="response_format")
+        sampling["json_schema"] = fmt.json_schema.schema_ if fmt.type == "json_schema" else {"type": "object"}
+        constrained = ["json_schema"]
+    tool_mode = None
+    if tools and choice != "none":
+        if constrained:
+            raise APIError(400, "tools cannot be combined with response_format, regex, ebnf or json_schema", param="tools")
+        if named is not None:
+            tool_mode, sampling["json_schema"] = "named", named.function.parameters
+        elif choice == "required":
+            tool_mode, sampling["json_schema"] = "required", tool_calls.required_schema(tools, body.parallel_tool_calls)
+        else:
+            tool_mode, sampling["ebnf"] = "auto", tool_calls.auto_grammar(tools)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, id=new_id("chatcmpl"))
+
+
+# ------------------------------------------------------------------- running
+async def _start(state: ServerState, plan: _Plan) -> list[tuple[int, Any, Any]]:
+    """Queue ``n`` requests per prompt; returns (choice index, req, queue) triples."""
+    engine = state.engine
+    total = len(plan.prompts) * plan.n
+    state.admit(total)
+    started: list[tuple[int, Any, Any]] = []
+    try:
+        for p_i, ids in enumerate(plan.prompts):
+            for k in range(plan.n):
+                sp = dict(plan.sampling)
+                if "seed" in sp and plan.n > 1:
+                    sp["seed"] = sp["seed"] + k
+                req, q = await engine.start_request(
+                    input_ids=ids,
+                    sampling_params=sp,
+                    return_logprob=plan.logprobs is not None,
+                    top_logprobs_num=plan.logprobs or 0,
+                    logprob_start_len=0 if (plan.echo and plan.logprobs is not None) else -1,
+                    return_text_in_logprobs=plan.logprobs is not None,
+                    stream=plan.stream,
+                )
+                started.append((p_i * plan.n + k, req, q))
+    except ValueError as exc:
+        for _, req, _ in started:
+            engine.abort_nowait(req.rid)
+        state.release(total)
+        raise _field_error(exc, plan) from None
+    return started
+
+
+def _field_error(exc: ValueError, plan: _Plan) -> APIError:
+    err = bad_request(exc)
+    if err.param in ("json_schema",) and plan.tool_mode:
+        err.param = "tools"
+    elif err.param == "json_schema" and plan.chat:
+        err.param = "response_format"
+    elif err.param == "max_new_tokens":
+        err.param = "max_tokens"
+    return err
+
+
+async def _run(state: ServerState, request: Request, plan: _Plan) -> Response:
+    started = await _start(state, plan)
+    total = len(started)
+    if plan.stream:
+
+        def close() -> None:
+            for _, req, _ in started:
+                state.engine.abort_nowait(req.rid)
+            state.release(total)
+
+        return stream_response(_stream_events(state, plan, started), close)
+    try:
+        outs = await wait_final(state, request, [(req, q) for _, req, q in started])
+    finally:
+        state.release(total)
+    choices = [_choice(state, plan, idx, out) for (idx, _, _), out in zip(started, outs)]
+    body = {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion", "created": now(), "model": plan.model, "choices": choices, "usage": _usage(plan, outs)}
+    return JSONResponse(body)
+
+
+def _usage(plan: _Plan, outs: list[ReqOutput]) -> dict[str, Any]:
+    prompt = sum(len(p) for p in plan.prompts)
+    completion = sum(o.meta_info["completion_tokens"] for o in outs)
+    cached = sum(o.meta_info["cached_tokens"] for o in outs[:: plan.n]) if outs else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(plan: _Plan, out: ReqOutput, has_calls: bool) -> str | None:
+    fr = out.meta_info["finish_reason"]
+    if fr is None:
+        return None
+    if has_calls:
+        return "tool_calls"
+    if fr["type"] == "abort":
+        return "abort"
+    return "length" if fr["type"] == "length" else "stop"
+
+
+def _tool_message(plan: _Plan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Content and tool calls of a finished chat output."""
+    try:
+        if plan.tool_mode == "named":
+            json.loads(text)
+            return None, [tool_calls.make_call(plan.tool_name, text)]
+        if plan.tool_mode == "required":
+            return None, tool_calls.parse_required(text)
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return text, []  # cut by max_tokens: not a whole call
+    if plan.tool_mode == "auto":
+        return tool_calls.parse_auto(text)
+    return text, []
+
+
+def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict[str, Any]:
+    if plan.chat:
+        content, calls = _tool_message(plan, out.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": index, "message": message, "finish_reason": _finish_reason(plan, out, bool(calls))}
+        choice["logprobs"] = _chat_logprobs(out) if plan.logprobs is not None else None
+        return choice
+    text = out.text
+    if plan.echo:
+        text = plan.prompt_texts[index // plan.n] + text
+    return {"index": index, "text": text, "finish_reason": _finish_reason(plan, out, False), "logprobs": _completion_logprobs(plan, out) if plan.logprobs is not None else None}
+
+
+def _token_entries(out: ReqOutput, echo: bool) -> tuple[list, list]:
+    meta = out.meta_info
+    entries = list(meta.get("output_token_logprobs", []))
+    tops = list(meta.get("output_top_logprobs", [None] * len(entries)))
+    if echo:
+        entries = list(meta.get("input_token_logprobs", [])) + entries
+        tops = list(meta.get("input_top_logprobs", [None] * len(meta.get("input_token_logprobs", [])))) + tops
+    return entries, tops
+
+
+def _chat_logprobs(out: ReqOutput) -> dict[str, Any]:
+    entries, tops = _token_entries(out, False)
+    content = []
+    for (lp, _, tok), top in zip(entries, tops):
+        content.append({
+            "token": tok,
+            "logprob": lp,
+            "bytes": list(tok.encode()) if tok is not None else None,
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode()) if t is not None else None} for v, _, t in (top or [])],
+        })
+    return {"content": content}
+
+
+def _completion_logprobs(plan: _Plan, out: ReqOutput) -> dict[str, Any]:
+    entries, tops = _token_entries(out, plan.echo)
+    tokens, values, top_maps, offsets = [], [], [], []
+    offset = 0
+    for (lp, _, tok), top in zip(entries, tops):
+        tokens.append(tok)
+        values.append(lp)
+        top_maps.append({t: v for v, _, t in top} if top else None)
+        offsets.append(offset)
+        offset += len(tok or "")
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
+
+
+# ------------------------------------------------------------------ streaming
+async def _stream_events(state: ServerState, plan: _Plan, started: list[tuple[int, Any, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI chunks, choices interleaved as their tokens arrive."""
+    import asyncio
+
+    kind = "chat.completion.chunk" if plan.chat else "text_completion"
+    created = now()
+
+    def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> dict[str, Any]:
+        body = {"id": plan.id, "object": kind, "created": created, "model": plan.model, "choices": choices}
+        if plan.include_usage:
+            body["usage"] = usage
+        return body
+
+    sent = {idx: 0 for idx, _, _ in started}
+    sent_lp = {idx: 0 for idx, _, _ in started}
+    buffered = plan.chat and plan.tool_mode is not None  # tool calls are sent whole at the end
+    if plan.chat:
+        yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for idx, _, _ in started])
+    elif plan.echo:
+        yield chunk([{"index": idx, "text": plan.prompt_texts[idx // plan.n], "logprobs": None, "finish_reason": None} for idx, _, _ in started])
+    pending = {asyncio.ensure_future(q.get()): (idx, q) for idx, _, q in started}
+    finals: list[ReqOutput] = []
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                idx, q = pending.pop(fut)
+                out: ReqOutput = fut.result()
+                piece = _stream_piece(state, plan, idx, out, sent, sent_lp, buffered)
+                if piece is not None:
+                    yield chunk([piece])
+                if out.finished:
+                    finals.append(out)
+                    state.metrics.observe_finished(out.meta_info)
+                else:
+                    pending[asyncio.ensure_future(q.get())] = (idx, q)
+    finally:
+        for fut in pending:
+            fut.cancel()
+    if plan.include_usage:
+        yield {"id": plan.id, "object": kind, "created": created, "model": plan.model, "choices": [], "usage": _usage(plan, finals)}
+
+
+def _stream_piece(state: ServerState, plan: _Plan, idx: int, out: ReqOutput, sent: dict, sent_lp: dict, buffered: bool) -> dict[str, Any] | None:
+    """The chunk choice for a new output of choice ``idx`` (None when there is nothing to send)."""
+    delta_text = out.text[sent[idx] :]
+    sent[idx] = len(out.text)
+    logprobs = None
+    if plan.logprobs is not None:
+        entries, tops = _token_entries(out, False)
+        new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[sent_lp[idx] :], "output_top_logprobs": tops[sent_lp[idx] :]}, False)
+        sent_lp[idx] = len(entries)
+        logprobs = _chat_logprobs(new) if plan.chat else _completion_logprobs(_Plan(**{**plan.__dict__, "echo": False}), new)
+    if not plan.chat:
+        if not delta_text and not out.finished:
+            return None
+        return {"index": idx, "text": delta_text, "logprobs": logprobs, "finish_reason": _finish_reason(plan, out, False) if out.finished else None}
+    if buffered:
+        if not out.finished:
+            return None
+        content, calls = _tool_message(plan, out.text)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return {"index": idx, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(plan, out, bool(calls))}
+    if not delta_text and not out.finished:
+        return None
+    return {"index": idx, "delta": {"content": delta_text} if delta_text else {}, "logprobs": logprobs, "finish_reason": _finish_reason(plan, out, False) if out.finished else None}

@@ -1,0 +1,77 @@
+"""From scheduled rows to one ForwardBatch, and where each row's logits land.
+
+A row computes positions ``start .. start + length`` of one request. Logits are computed only
+where needed: at the positions whose next prompt token has a requested logprob, and, for a row
+that reaches the end of its sequence, at the last ``1 + len(draft_ids)`` positions (the one
+before each unverified draft token, and the last one, which picks the next token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from radixlm.radix_cache.manager import KVManager
+from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.request import Req
+
+
+@dataclass
+class Row:
+    """One request's share of a forward pass."""
+
+    req: Req
+    start: int  # first position computed
+    length: int  # positions computed
+    sample: bool  # the row reaches the end of its sequence and picks tokens
+
+
+@dataclass
+class LogitSpans:
+    """Index ranges into the logits tensor, per purpose."""
+
+    prompt: list[tuple[Row, int, int, int]] = field(default_factory=list)  # row, first logit, first position, count
+    picks: list[tuple[Row, int, int]] = field(default_factory=list)  # row, first logit, count
+
+
+def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> tuple[ForwardBatch, LogitSpans]:
+    """Lay the rows out as one batch (decode-shaped rows first) and record the logit spans."""
+    rows.sort(key=lambda r: r.length != 1)
+    device = runner.device
+    ids: list[int] = []
+    positions, out_slots, logit_rows = [], [], []
+    spans = LogitSpans()
+    n_tokens = 0
+    for row in rows:
+        req = row.req
+        end = row.start + row.length
+        ids.extend(req.fill_ids[row.start : end])
+        positions.append(torch.arange(row.start, end))
+        out_slots.append(kv.slots(req.kv, row.start, end))
+        if req.needs_prompt_logprobs():
+            lo = max(row.start, max(req.logprob_start_len, 1) - 1)
+            hi = min(end, len(req.input_ids) - 1)
+            if hi > lo:
+                spans.prompt.append((row, len(logit_rows), lo, hi - lo))
+                logit_rows.extend(range(n_tokens + lo - row.start, n_tokens + hi - row.start))
+        if row.sample:
+            count = 1 + len(req.draft_ids)
+            spans.picks.append((row, len(logit_rows), count))
+            logit_rows.extend(range(n_tokens + row.length - count, n_tokens + row.length))
+        n_tokens += row.length
+    batch = ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.cat(positions).to(device),
+        out_slots=torch.cat(out_slots),
+        req_rows=torch.tensor([r.req.kv.row for r in rows], dtype=torch.int64, device=device),
+        prefix_lens=[r.start for r in rows],
+        extend_lens=[r.length for r in rows],
+        num_decode=sum(1 for r in rows if r.length == 1),
+        logits_indices=torch.tensor(logit_rows, dtype=torch.int64, device=device),
+        req_to_token=kv.table.table,
+        kv_pool=runner.kv_pool,
+        attn_backend=runner.attn_backend,
+    )
+    return batch, spans

@@ -1,0 +1,138 @@
+"""Tool calls: prompting for them, constraining them, and parsing them out of generated text.
+
+The call format is the one many chat templates use: ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>``. For a template that renders ``tools`` itself, tools go to the template;
+otherwise a system message describes them and the format.
+
+- ``tool_choice="required"``: the whole output is constrained to a JSON array of calls (one at
+  most when ``parallel_tool_calls`` is false), each valid against its tool's parameters.
+- a named function: the output is constrained to that function's arguments object.
+- ``"auto"``: free text, but once the model opens ``<tool_call>`` the rest is constrained to a
+  valid call and ``</tool_call>`` (a Lark grammar with a ``stop`` lexeme; llguidance backend).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from radixlm.runtime.protocol import ChatMessage, Tool
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    """JSON schema of one call of ``tool``: its name and valid arguments."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def _any_call(tools: list[Tool]) -> dict[str, Any]:
+    return call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
+
+
+def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """Schema of the output for ``tool_choice="required"``: a non-empty array of calls."""
+    schema: dict[str, Any] = {"type": "array", "items": _any_call(tools), "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def auto_grammar(tools: list[Tool]) -> str:
+    """Lark grammar for ``tool_choice="auto"``: free text, or text then one constrained call."""
+    return "\n".join(
+        [
+            'start: TEXT | pre call "</tool_call>"',
+            "TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
+            'pre[stop="<tool_call>"]: /(?s:.*)/',
+            f"call: %json {json.dumps(_any_call(tools))}",
+        ]
+    )
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """True when the model's chat template uses a ``tools`` variable."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def tools_system_prompt(tools: list[Tool]) -> str:
+    """A system message that lists the tools and the call format, for templates without tools."""
+    specs = [{"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters} for t in tools]
+    return (
+        "You can call functions. The available functions are:\n"
+        + "\n".join(json.dumps(s, ensure_ascii=False) for s in specs)
+        + f'\nTo call a function, reply with {OPEN}{{"name": <function name>, "arguments": <arguments object>}}{CLOSE}.'
+    )
+
+
+def template_messages(messages: list[ChatMessage], tools: list[Tool] | None, renders_tools: bool) -> list[dict[str, Any]]:
+    """Messages as chat-template dicts; tool calls become text where the template lacks tools."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            if renders_tools:
+                msg["tool_calls"] = [
+                    {"type": "function", "id": c.id, "function": {"name": c.function.name, "arguments": _loads_or_str(c.function.arguments)}}
+                    for c in m.tool_calls
+                ]
+            else:
+                msg["content"] += "".join(f'{OPEN}{{"name": {json.dumps(c.function.name)}, "arguments": {c.function.arguments}}}{CLOSE}' for c in m.tool_calls)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    if tools and not renders_tools:
+        prompt = tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _loads_or_str(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def make_call(name: str, arguments: Any) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def parse_required(text: str) -> list[dict[str, Any]]:
+    """Calls from a ``required``-mode output (a JSON array of {name, arguments})."""
+    return [make_call(c["name"], c["arguments"]) for c in json.loads(text)]
+
+
+def parse_auto(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split ``auto``-mode output into the text before the call and the calls it contains."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    content = text[:start].strip() or None
+    calls = []
+    rest = text[start:]
+    while rest.startswith(OPEN):
+        end = rest.find(CLOSE)
+        if end < 0:
+            break
+        try:
+            body = json.loads(rest[len(OPEN) : end])
+            calls.append(make_call(body["name"], body["arguments"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return text, []
+        rest = rest[end + len(CLOSE) :].lstrip()
+    return content, calls

@@ -1,0 +1,262 @@
+"""The HTTP server as a real subprocess: native and OpenAI routes, bad input, disconnects, drain."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from helpers import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "4096", "--served-model-name", "tiny")
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+
+
+def _stats(client) -> dict:
+    return client.get("/get_server_info").json()["stats"]
+
+
+def _assert_clean(client) -> None:
+    stats = _stats(client)
+    assert stats["kv_invariant_holds"]
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["running_slots"] == 0
+
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def test_native_generate_single_batch_and_stream(client):
+    one = client.post("/generate", json={"text": "The quick brown", "sampling_params": GREEDY}).json()
+    assert len(one["output_ids"]) == 6 and one["meta_info"]["finish_reason"]["type"] == "length"
+    batch = client.post("/generate", json={"text": ["The quick brown", "Radix"], "sampling_params": GREEDY}).json()
+    assert batch[0]["output_ids"] == one["output_ids"] and len(batch) == 2
+    ids = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY, "rid": "my-id"}).json()
+    assert ids["meta_info"]["id"] == "my-id"
+    with client.stream("POST", "/generate", json={"text": "The quick brown", "sampling_params": GREEDY, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[-1]["output_ids"] == one["output_ids"] and chunks[-1]["text"] == one["text"]
+    _assert_clean(client)
+
+
+def test_prefill_only_request_returns_prompt_logprobs(client):
+    out = client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}).json()
+    assert out["output_ids"] == []
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in lps] == [5, 6, 7, 8] and lps[0][0] is None and all(t[0] <= 0 for t in lps[1:])
+
+
+def test_openai_completions_with_n_stop_and_logprobs(oai):
+    res = oai.completions.create(model="tiny", prompt="The quick brown", max_tokens=8, temperature=0, n=2, logprobs=2)
+    assert len(res.choices) == 2 and res.choices[0].text == res.choices[1].text
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == res.usage.completion_tokens // 2
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    text = res.choices[0].text
+    if len(text) > 3:
+        stop = text[1:3]
+        cut = oai.completions.create(model="tiny", prompt="The quick brown", max_tokens=8, temperature=0, stop=[stop])
+        assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_openai_chat_stream_with_usage_and_cached_tokens(oai):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    full = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    stream = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True})
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == full.choices[0].message.content and finish == "length"
+    assert usage.completion_tokens == 6 and usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_chat_logprobs_and_seed(oai):
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=1.0, seed=7)
+    a = oai.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    b = oai.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    content = a.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_models_health_and_info_routes(client):
+    assert client.get("/health").status_code == 200
+    assert client.get("/health_generate").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny"
+    info = client.get("/get_model_info").json()
+    assert info["architecture"] == "llama" and info["context_length"] == 512
+
+
+def test_metrics_scrape_counts_requests_and_tokens(client):
+    client.post("/generate", json={"text": "metrics", "sampling_params": GREEDY})
+    text = client.get("/metrics").text
+    for name in ("radixlm_num_running_requests", "radixlm_prompt_tokens_total", "radixlm_generation_tokens_total", "radixlm_cached_tokens_total", "radixlm_kv_cache_usage_ratio", "radixlm_time_to_first_token_seconds_bucket", "radixlm_inter_token_latency_seconds_bucket", "radixlm_e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+    gen = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("radixlm_generation_tokens_total"))
+    assert gen >= 6
+
+
+def test_flush_cache_and_abort_request(client):
+    client.post("/generate", json={"text": "flush me", "sampling_params": GREEDY})
+    assert _stats(client)["tree_slots"] > 0
+    assert client.post("/flush_cache").status_code == 200
+    assert _stats(client)["tree_slots"] == 0
+    assert client.post("/abort_request", json={"rid": "nobody"}).json()["aborted"] is False
+    assert client.post("/abort_request", json={"rid": 3}).status_code == 400
+
+
+LONG = "word " * 600
+BAD_INPUTS = [
+    ("/generate", {"text": "x", "sampling_params": {"top_k": 2.5}}, "top_k"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),
+    ("/generate", {"text": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "regex"),
+    ("/generate", {"text": "x", "sampling_params": {"json_schema": "{not json"}}, "json"),
+    ("/generate", {"text": "", "sampling_params": {}}, "prompt"),
+    ("/generate", {"input_ids": [1, 10**9]}, "input_ids"),
+    ("/generate", {"text": 5}, "text"),
+    ("/generate", {"text": "x", "input_ids": [1]}, "exactly one"),
+    ("/generate", {"text": "x", "top_logprobs_num": -1}, "top_logprobs_num"),
+    ("/generate", {"text": "x", "unknown_field": 1}, "unknown_field"),
+    ("/generate", {"text": LONG}, "context length"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "top_k": 1.5}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
+    ("/v1/completions", {"prompt": "x", "temperature": 5}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"prompt": LONG}, "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10000}, "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "regex": "[a-"}, "regex"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": "hello"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"$ref": "#/nowhere"}}}}, "$ref"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("path, body, needle", BAD_INPUTS, ids=[f"{i}-{p.rsplit('/', 1)[-1]}-{n}" for i, (p, _, n) in enumerate(BAD_INPUTS)])
+def test_bad_input_is_a_4xx_with_a_useful_message(client, path, body, needle):
+    r = client.post(path, json=body)
+    assert 400 <= r.status_code < 500, r.text
+    err = r.json()
+    assert err["object"] == "error" and needle.lower() in (err["message"] + str(err.get("param"))).lower(), err
+
+
+def test_malformed_and_huge_bodies(client):
+    r = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["message"]
+    r = client.post("/generate", content=b"x" * (17 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_the_server_still_serves_and_leaks_nothing_after_bad_input(client):
+    for path, body, _ in BAD_INPUTS:
+        client.post(path, json=body)
+    assert client.post("/generate", json={"text": "still alive", "sampling_params": GREEDY}).status_code == 200
+    _assert_clean(client)
+
+
+def test_streaming_client_disconnect_aborts_within_a_step(client, server):
+    body = json.dumps({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert b"data: " in sock.recv(4096)  # streaming has started
+    before = _stats(client)["forward_passes"]
+    sock.close()
+    for _ in range(200):
+        stats = _stats(client)
+        if stats["num_running"] == 0:
+            break
+        time.sleep(0.02)
+    assert stats["num_running"] == 0 and stats["running_slots"] == 0
+    assert stats["forward_passes"] - before <= 5, "the aborted request kept decoding"
+    _assert_clean(client)
+
+
+def test_non_streaming_client_disconnect_aborts(client, server):
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+    with httpx.Client(base_url=server.base_url, timeout=0.5) as c2:
+        with pytest.raises(httpx.ReadTimeout):
+            c2.post("/generate", json=body)
+    for _ in range(100):
+        if _stats(client)["num_running"] == 0:
+            break
+        time.sleep(0.1)
+    _assert_clean(client)
+
+
+def test_api_key_is_required_when_set(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "1024", "--api-key", "sesame")
+    try:
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        r = httpx.post(srv.base_url + "/generate", json={"text": "x", "sampling_params": GREEDY})
+        assert r.status_code == 401 and r.json()["object"] == "error"
+        ok = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sesame")
+        assert ok.completions.create(model="m", prompt="x", max_tokens=2).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong").completions.create(model="m", prompt="x", max_tokens=2)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_full_queue_answers_429_and_sigterm_drains(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--max-running-requests", "1", "--max-queued-requests", "1")
+    codes: list[int] = []
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+
+    def post() -> None:
+        codes.append(httpx.post(srv.base_url + "/generate", json=body, timeout=120).status_code)
+
+    threads = [threading.Thread(target=post) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    time.sleep(0.5)
+    srv.proc.send_signal(signal.SIGTERM)  # drain: running requests finish, new ones are refused
+    for t in threads:
+        t.join()
+    assert srv.proc.wait(timeout=60) == 0
+    assert 429 in codes and 200 in codes, codes
+    srv.log.close()
