@@ -308,17 +308,16 @@ def run_files(paths: list[Path], backend_name: str, jobs: int, timeout: float) -
                 if w.job is None and queue:
                     w.submit(queue.pop(), timeout)
             busy = [w for w in workers if w.job is not None]
-            ready = wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
-            for w in busy:
+            wait([w.conn for w in busy], timeout=max(0.0, min(w.deadline for w in busy) - time.monotonic()))
+            for w in busy:  # poll every pipe: another worker's restart may have taken a while
                 done = False
-                if w.conn in ready:
-                    try:
-                        while not done and w.conn.poll():
-                            done = w.job.on_message(w.conn.recv())
-                    except (EOFError, OSError):
-                        w.job.fail(f"worker crashed (exit code {w.proc.exitcode if w.proc else None})")
-                        done = True
-                        w.restart()
+                try:
+                    while not done and w.conn.poll():
+                        done = w.job.on_message(w.conn.recv())
+                except (EOFError, OSError):
+                    w.job.fail(f"worker crashed (exit code {w.proc.exitcode if w.proc else None})")
+                    done = True
+                    w.restart()
                 if not done and time.monotonic() > w.deadline:
                     phase = "compiling" if w.job.compiled is None else "checking instances"
                     w.job.fail(f"timed out after {timeout:g} s while {phase}")

@@ -202,7 +202,11 @@ def test_streaming_client_disconnect_aborts_within_a_step(client, server):
     body = json.dumps({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    assert b"data: " in sock.recv(4096)  # streaming has started
+    received = b""
+    while b"data: " not in received:  # wait until streaming has started
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the stream"
+        received += chunk
     before = _stats(client)["forward_passes"]
     sock.close()
     for _ in range(200):
