@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.radixlm-installed
 PROMPT ?= The capital of France is
+SERVE_ARGS ?=
 
 .PHONY: setup run serve test lint bench clean
 
@@ -20,6 +21,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+serve: setup
+	$(BIN)/radixlm serve $(SERVE_ARGS)
 
 run: setup
 	$(BIN)/radixlm generate "$(PROMPT)" --max-new-tokens 32

@@ -56,3 +56,30 @@ def optimal_cached_tokens(prompts_ids: list[list[int]], page_size: int = 1) -> i
             best = max(best, n - n % page_size)
         total += best
     return total
+
+
+SYSTEM_PROMPT = (
+    "You are Atlas, a concise and friendly assistant for a travel company. You help customers "
+    "plan trips, compare destinations, understand visa rules in general terms, and pack sensibly. "
+    "Always answer in plain English, in at most three short sentences, unless the customer asks "
+    "for a list. When a question is about prices, say that prices change and suggest checking the "
+    "booking page. When a question is about safety, recommend the official travel advice of the "
+    "customer's own government. Never invent flight numbers, hotel names or exact prices. If you "
+    "do not know something, say so and suggest where the customer could find out. Be warm but "
+    "professional, avoid slang, and do not use emojis. If the customer writes in another "
+    "language, answer in that language. Keep the conversation focused on travel; politely steer "
+    "other topics back to trip planning. Remember that many customers travel with children, "
+    "older relatives or pets, and mention relevant tips when it helps."
+)
+
+CHAT_QUESTIONS = [
+    "What should I pack for a week in {c} in winter?",
+    "Is {c} a good destination for a family with two small children?",
+    "What is the best time of year to visit {c}?",
+    "How many days do I need to see the main sights of {c}?",
+]
+
+
+def chat_questions(n: int) -> list[str]:
+    """``n`` short distinct user questions for the shared-system-prompt chat workload."""
+    return [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(c=QUESTION_COUNTRIES[i % len(QUESTION_COUNTRIES)]) for i in range(n)]

@@ -26,6 +26,7 @@ from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.protocol import ErrorResponse, GenerateRequest
 from radixlm.runtime.request import ReqOutput
 from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,22 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
         if not isinstance(rid, str):
             raise APIError(400, "rid must be a string", param="rid")
         return {"rid": rid, "aborted": await asyncio.to_thread(engine.abort, rid)}
+
+    @app.post("/apply_chat_template")
+    async def chat_template(request: Request) -> dict[str, Any]:
+        """Render messages with the model's chat template (the frontend language uses this)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "malformed JSON body") from None
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise APIError(400, "messages must be a list of {role, content} objects", param="messages")
+        try:
+            text = apply_chat_template(engine.tokenizer, messages, tools=body.get("tools"), add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        except Exception as exc:
+            raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
+        return {"text": text}
 
     @app.get("/metrics")
     async def metrics() -> Response:

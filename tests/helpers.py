@@ -65,7 +65,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=4096,
         bos_token_id=1,
         eos_token_id=2,
     )

@@ -112,7 +112,7 @@ def test_models_health_and_info_routes(client):
     models = client.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny"
     info = client.get("/get_model_info").json()
-    assert info["architecture"] == "llama" and info["context_length"] == 512
+    assert info["architecture"] == "llama" and info["context_length"] == 4096
 
 
 def test_metrics_scrape_counts_requests_and_tokens(client):
@@ -133,7 +133,7 @@ def test_flush_cache_and_abort_request(client):
     assert client.post("/abort_request", json={"rid": 3}).status_code == 400
 
 
-LONG = "word " * 600
+LONG = "word " * 4200
 BAD_INPUTS = [
     ("/generate", {"text": "x", "sampling_params": {"top_k": 2.5}}, "top_k"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
@@ -220,7 +220,7 @@ def test_streaming_client_disconnect_aborts_within_a_step(client, server):
 
 
 def test_non_streaming_client_disconnect_aborts(client, server):
-    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
     with httpx.Client(base_url=server.base_url, timeout=0.5) as c2:
         with pytest.raises(httpx.ReadTimeout):
             c2.post("/generate", json=body)
@@ -248,7 +248,7 @@ def test_api_key_is_required_when_set(tiny_llama):
 def test_full_queue_answers_429_and_sigterm_drains(tiny_llama):
     srv = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--max-running-requests", "1", "--max-queued-requests", "1")
     codes: list[int] = []
-    body = {"text": "x", "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
 
     def post() -> None:
         codes.append(httpx.post(srv.base_url + "/generate", json=body, timeout=120).status_code)
