@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixlm.radix_cache.pool import PAD_SLOT
+from radixlm.kernels.torch_decode import DecodePlan, decode_attention, plan_decode
 from radixlm.runtime.forward_batch import ForwardBatch
 
 
@@ -37,8 +37,7 @@ class AttentionBackend(ABC):
 
 @dataclass
 class _TorchMeta:
-    decode_index: torch.Tensor | None  # [Bd, Lmax] slots, padded
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool
+    decode: DecodePlan | None
     extend_rows: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     # (token start, prefix len, extend len, slots of the whole row or None, mask or None)
 
@@ -49,15 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build the padded decode index and the per-row extend slot lists once per batch."""
         nd = batch.num_decode
-        decode_index = decode_mask = None
-        if nd:
-            seq_lens = torch.tensor(batch.seq_lens[:nd], dtype=torch.int64, device=batch.input_ids.device)
-            lmax = int(max(batch.seq_lens[:nd]))
-            rows = batch.req_rows[:nd]
-            positions = torch.arange(lmax, device=seq_lens.device)
-            valid = positions[None, :] < seq_lens[:, None]
-            decode_index = batch.req_to_token.index_select(0, rows)[:, :lmax].masked_fill(~valid, PAD_SLOT)
-            decode_mask = valid[:, None, None, :]
+        decode = plan_decode(batch.req_to_token, batch.req_rows[:nd], batch.seq_lens[:nd]) if nd else None
         extend_rows = []
         start = nd
         for i in range(nd, batch.batch_size):
@@ -69,10 +60,10 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(p + e, device=slots.device)[None, :] <= q_pos
             extend_rows.append((start, p, e, slots, mask))
             start += e
-        batch.attn_meta = _TorchMeta(decode_index, decode_mask, extend_rows)
+        batch.attn_meta = _TorchMeta(decode, extend_rows)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Write the new KV, then attend decode rows in one call and extend rows one by one."""
+        """Write the new KV, then attend decode rows together and extend rows one by one."""
         pool, meta = batch.kv_pool, batch.attn_meta
         pool.write(layer, batch.out_slots, k, v)
         num_tokens, num_heads, head_dim = q.shape
@@ -81,14 +72,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         nd = batch.num_decode
         if nd:
-            index = meta.decode_index
-            bd, lmax = index.shape
-            flat = index.reshape(-1)
-            kd = pool.k[layer].index_select(0, flat).view(bd, lmax, num_kv, head_dim).transpose(1, 2)
-            vd = pool.v[layer].index_select(0, flat).view(bd, lmax, num_kv, head_dim).transpose(1, 2)
-            qd = q[:nd].view(bd, num_kv, group, head_dim)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-            out[:nd] = o.reshape(bd, num_heads, head_dim)
+            out[:nd] = decode_attention(q[:nd], pool.k[layer], pool.v[layer], meta.decode)
         for start, _prefix, e, slots, mask in meta.extend_rows:
             qe = q[start : start + e]
             if slots is None:

@@ -10,6 +10,7 @@ from radixlm.kernels import select_attention_backend
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.loader import load_model
+from radixlm.runtime.models.quant import quantize_model
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class ModelRunner:
         self.device = torch.device(args.resolved_device())
         self.dtype = args.resolved_dtype(self.device)
         self.model, self.config = load_model(model_path, self.dtype, self.device)
+        if args.quantization:
+            quantize_model(self.model, args.quantization)
         self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
         self.max_total_tokens = self._pool_size()
         self.kv_pool = KVPool(

@@ -237,6 +237,24 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
             raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
         return {"text": text}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """SGLang's ``/tokenize``: token ids of one prompt or a list (the frontend's select uses it)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "malformed JSON body") from None
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        batch = isinstance(prompt, list)
+        if not (isinstance(prompt, str) or (batch and all(isinstance(p, str) for p in prompt))):
+            raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
+        tokens = [engine.tokenize(p, add_special_tokens=special) for p in (prompt if batch else [prompt])]
+        counts = [len(t) for t in tokens]
+        return {"tokens": tokens if batch else tokens[0], "count": counts if batch else counts[0], "max_model_len": engine.context_len}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         stats = await asyncio.to_thread(engine.get_stats)

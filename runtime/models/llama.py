@@ -124,8 +124,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for the given hidden states."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied to the embedding
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

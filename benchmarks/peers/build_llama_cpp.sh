@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server and llama-bench from the source vendored in llama-cpp-python's
+# sdist, into a cache folder (never into the project's .venv). Opt-in: `make bench-peers`.
+#   PEERS_DIR (default ~/.cache/radixlm/peers) holds the source and the build.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+PEERS_DIR="${PEERS_DIR:-$HOME/.cache/radixlm/peers}"
+mkdir -p "$PEERS_DIR"
+cd "$PEERS_DIR"
+if [ -x llama.cpp/build/bin/llama-server ]; then
+  echo "llama-server already built: $PEERS_DIR/llama.cpp/build/bin/llama-server"; exit 0
+fi
+if [ ! -d llama.cpp ]; then
+  rm -rf sdist && mkdir sdist
+  "$root/.venv/bin/python" -m pip download --no-binary :all: --no-deps -d sdist llama-cpp-python
+  tar -xzf sdist/llama_cpp_python-*.tar.gz -C sdist
+  mv sdist/llama_cpp_python-*/vendor/llama.cpp llama.cpp
+fi
+cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+cmake --build llama.cpp/build --target llama-server llama-bench -j "$(nproc)"
+echo "built: $PEERS_DIR/llama.cpp/build/bin/llama-server"

@@ -1,0 +1,113 @@
+"""Decode attention on the PyTorch path, with shared prefixes attended once (cascade attention).
+
+On a CPU, gathering each row's scattered KV costs more than the attention itself, and rows that
+share a cached prefix (a few-shot preamble, a system prompt) would gather the same slots over
+and over. So decode rows are grouped by the prefix of their slot-table rows that they share
+(same slots, hence same tokens); for each group the queries of all its rows attend to the
+prefix in one matmul (the prefix read once, as a slice when its slots are contiguous), every
+row attends to its own short suffix, and the two partial softmaxes are merged by their
+log-sum-exp::
+
+    row a: [ shared prefix P ......... | a's suffix ]      out_a = merge(attn(q_a, P), attn(q_a, S_a))
+    row b: [ shared prefix P ......... | b's longer suffix ]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixlm.radix_cache.pool import PAD_SLOT
+
+MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
+
+
+@dataclass
+class SharedPrefix:
+    """Decode rows sharing their first ``length`` slots."""
+
+    rows: torch.Tensor  # indices into the decode rows
+    slots: torch.Tensor  # [length]
+    start: int | None  # first slot when the prefix slots are contiguous
+    length: int
+
+
+@dataclass
+class DecodePlan:
+    """Per-step index tensors of the decode rows, reused by every layer."""
+
+    suffix_index: torch.Tensor  # [B, S] slots after each row's shared prefix, padded
+    suffix_mask: torch.Tensor  # [B, 1, 1, S] bool
+    groups: list[SharedPrefix]
+
+
+def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_shared: int = MIN_SHARED_PREFIX) -> DecodePlan:
+    """Find shared prefixes among the rows and index what is left of each row."""
+    device = req_to_token.device
+    lmax = max(seq_lens)
+    table = req_to_token.index_select(0, rows)[:, :lmax]
+    seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    prefix_len = torch.zeros(len(seq_lens), dtype=torch.int64, device=device)
+    groups: list[SharedPrefix] = []
+    if len(seq_lens) >= 2:
+        _, inverse, counts = torch.unique(table[:, 0], return_inverse=True, return_counts=True)
+        for g in (counts >= 2).nonzero().flatten().tolist():
+            idx = (inverse == g).nonzero().flatten()
+            sub = table.index_select(0, idx)
+            limit = int(seq.index_select(0, idx).min()) - 1  # every row keeps its newest token
+            if limit < min_shared:
+                continue
+            same = (sub[:, :limit] == sub[0, :limit]).all(dim=0)
+            length = int(same.to(torch.int64).cumprod(dim=0).sum())
+            if length < min_shared:
+                continue
+            slots = sub[0, :length]
+            contiguous = bool((slots[1:] - slots[:-1] == 1).all())
+            groups.append(SharedPrefix(idx, slots, int(slots[0]) if contiguous else None, length))
+            prefix_len[idx] = length
+    suffix_len = seq - prefix_len
+    smax = int(suffix_len.max())
+    offsets = torch.arange(smax, device=device)
+    valid = offsets[None, :] < suffix_len[:, None]
+    positions = (prefix_len[:, None] + offsets[None, :]).clamp(max=lmax - 1)
+    suffix_index = table.gather(1, positions).masked_fill(~valid, PAD_SLOT)
+    return DecodePlan(suffix_index, valid[:, None, None, :], groups)
+
+
+def _partial(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one key block: (normalized output, log-sum-exp of the scores)."""
+    scores = (q @ k_t) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ v, lse
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """Attention of one query token per row (``q`` ``[B, H, D]``) over the pool; returns ``[B, H, D]``."""
+    bd, num_heads, head_dim = q.shape
+    num_kv = k_pool.shape[1]
+    group = num_heads // num_kv
+    scale = head_dim**-0.5
+    qd = q.view(bd, num_kv, group, head_dim)
+    smax = plan.suffix_index.shape[1]
+    flat = plan.suffix_index.reshape(-1)
+    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).permute(0, 2, 3, 1)
+    vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    out, lse = _partial(qd, ks, vs, plan.suffix_mask, scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
+    for g in plan.groups:
+        if g.start is not None:
+            kp, vp = k_pool[g.start : g.start + g.length], v_pool[g.start : g.start + g.length]
+        else:
+            kp, vp = k_pool.index_select(0, g.slots), v_pool.index_select(0, g.slots)
+        n = len(g.rows)
+        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(num_kv, n * group, head_dim)
+        o2, lse2 = _partial(qg, kp.permute(1, 2, 0), vp.transpose(0, 1), None, scale)  # [Hkv, n*G, ...]
+        o2 = o2.view(num_kv, n, group, head_dim).transpose(0, 1)
+        lse2 = lse2.view(num_kv, n, group, 1).transpose(0, 1)
+        o1, lse1 = out.index_select(0, g.rows), lse.index_select(0, g.rows)
+        top = torch.maximum(lse1, lse2)
+        w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+        out[g.rows] = (o1 * w1 + o2 * w2) / (w1 + w2)
+    return out.reshape(bd, num_heads, head_dim)

@@ -1,0 +1,92 @@
+"""Weight-only int8 / int4 linear layers on PyTorch's CPU kernels (``--quantization``).
+
+A decode step at small batch is bound by reading weights: int8 reads 4x and int4 8x fewer bytes
+than fp32. The kernels (``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``)
+take bf16 activations; outputs are cast back to the model's dtype, and everything around the
+matmuls (norms, RoPE, attention, residuals) stays in that dtype.
+
+- int8: per-output-channel symmetric scales.
+- int4: groups of 32 input weights with a scale and a minimum (``w = q * scale + min``,
+  ``q`` in 0..15) — the same layout as GGUF's Q4_1 blocks, so a Q4_1 model re-quantized here gets
+  its original values back (up to bf16 rounding of the scales).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP = 32
+MODES = ("int8", "int4")
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with W stored as int8 rows and one bf16 scale per row."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-8)
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.out_features = w.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantized matmul on bf16 activations; returns ``x``'s dtype."""
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, self.scales)
+        y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with W in packed 4-bit groups of 32 (scale and minimum per group)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        if k % INT4_GROUP:
+            raise ValueError(f"int4 quantization needs in_features divisible by {INT4_GROUP}, got {k}")
+        groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        q = torch.round((groups - lo) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
+        # the kernel computes (q - 8) * scale + zero per group, so zero = min + 8 * scale; it
+        # needs a multiple of 16 output rows: pad with zero rows and slice them off
+        pad = -n % 16
+        zero = lo + 8 * scale
+        if pad:
+            q = torch.cat([q, torch.full((pad, k), 8, dtype=torch.int32)])
+            scale = torch.cat([scale, torch.ones(pad, k // INT4_GROUP, 1)])
+            zero = torch.cat([zero, torch.zeros(pad, k // INT4_GROUP, 1)])
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        sz = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1).contiguous()
+        self.register_buffer("scales_zeros", sz.to(torch.bfloat16))
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.out_features = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantized matmul on bf16 activations; returns ``x``'s dtype."""
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, INT4_GROUP, self.scales_zeros)
+        y = y[:, : self.out_features].to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_model(model: nn.Module, mode: str) -> None:
+    """Replace the model's linear layers (and its output head) with ``mode`` weight-only layers."""
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("weight-only quantization uses PyTorch's CPU kernels; it needs --device cpu")
+    cls = Int8Linear if mode == "int8" else Int4Linear
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, cls(child))
+    if getattr(model, "lm_head", None) is None:  # tied: the head is a quantized copy of the embedding
+        head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        head.weight = model.embed_tokens.weight
+        model.lm_head = cls(head)
