@@ -82,7 +82,7 @@ def quantize_model(model: nn.Module, mode: str) -> None:
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("weight-only quantization uses PyTorch's CPU kernels; it needs --device cpu")
     cls = Int8Linear if mode == "int8" else Int4Linear
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, cls(child))
