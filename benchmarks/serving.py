@@ -1,7 +1,7 @@
 """Serving benchmark over the OpenAI API: TTFT, inter-token latency and throughput by concurrency.
 
 Runs against any OpenAI-compatible server (radixlm, llama.cpp's llama-server, vLLM ...), so peers
-are measured with the same script. Each request shares one system prompt (~220 tokens) and asks
+are measured with the same script. Each request shares one system prompt (~190 tokens) and asks
 a distinct short question; responses are streamed to time the first token and the gaps between
 tokens.
 

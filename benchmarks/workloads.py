@@ -83,3 +83,87 @@ CHAT_QUESTIONS = [
 def chat_questions(n: int) -> list[str]:
     """``n`` short distinct user questions for the shared-system-prompt chat workload."""
     return [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)].format(c=QUESTION_COUNTRIES[i % len(QUESTION_COUNTRIES)]) for i in range(n)]
+
+
+AGENT_TOOLS = [
+    ("search", "Searches an encyclopedia and returns the first paragraph of the best matching article. Input: a short query of a few words. Use it for facts about people, places, history and science. It does not know about events after its last update, and it returns 'no result' when nothing matches."),
+    ("calculator", "Evaluates an arithmetic expression with + - * / ** and parentheses and returns the number. Input: the expression only, without words or units. Use it for every computation, even simple ones, because mental arithmetic is error-prone."),
+    ("weather", "Returns the current weather for a city: temperature in Celsius, sky conditions and wind speed. Input: the city name, optionally followed by a comma and the country. It cannot forecast beyond today."),
+    ("calendar", "Looks up the user's calendar. Input: a date in the form YYYY-MM-DD. Returns the list of events on that date with their start times, or 'free' when there is nothing planned."),
+    ("unit_convert", "Converts a quantity between units of length, mass, volume and temperature. Input: a number, a unit, the word 'to' and a target unit, for example '5 miles to km'. Returns the converted number with its unit."),
+    ("translate", "Translates a short text into another language. Input: the target language, a colon, then the text, for example 'French: good morning'. Returns the translation only."),
+]
+
+AGENT_TASKS = [
+    "What is the population of the capital of {c}, divided by 1000?",
+    "Is it warmer today in the capital of {c} than in Oslo?",
+    "How do you say 'thank you' in the main language of {c}?",
+    "How many kilometres is a 26 mile marathon, and which city in {c} hosts one?",
+]
+
+AGENT_OBSERVATIONS = ["no result", "42", "18 degrees, cloudy, wind 10 km/h", "free", "41.8 km", "merci"]
+
+
+def agent_preamble() -> str:
+    """About 600 tokens: the agent's instructions, its tools and the step format (shared by all agents)."""
+    tools = "\n".join(f"- {name}: {desc}" for name, desc in AGENT_TOOLS)
+    return (
+        "You are a careful assistant that answers questions by thinking step by step and using tools.\n"
+        "You have access to the following tools:\n"
+        f"{tools}\n\n"
+        "Use this format for every step:\n"
+        "Thought: what you know so far and what you need next\n"
+        "Action: the name of one tool\n"
+        "Action Input: the input for that tool\n"
+        "Observation: the tool's result (written by the system, never by you)\n"
+        "Repeat Thought/Action/Action Input/Observation as often as needed. When you know the answer, write:\n"
+        "Thought: I now know the final answer\n"
+        "Final Answer: the answer, in one sentence.\n\n"
+        "Rules: call one tool per step; never invent observations; prefer the calculator for numbers; "
+        "if a tool fails, try a different query once, then explain what you could not find. "
+        "Keep thoughts short. Answer in English. Do not repeat the question.\n\n"
+        "Example:\n"
+        "Question: What is 12 times the number of moons of Mars?\n"
+        "Thought: I need the number of moons of Mars.\n"
+        "Action: search\nAction Input: moons of Mars\n"
+        "Observation: Mars has two small moons, Phobos and Deimos.\n"
+        "Thought: Now I multiply 12 by 2.\n"
+        "Action: calculator\nAction Input: 12 * 2\n"
+        "Observation: 24\n"
+        "Thought: I now know the final answer\n"
+        "Final Answer: 12 times the number of moons of Mars is 24.\n\n"
+    )
+
+
+def agent_tasks(n: int) -> list[str]:
+    """``n`` distinct agent questions."""
+    return [AGENT_TASKS[i % len(AGENT_TASKS)].format(c=QUESTION_COUNTRIES[(i * 7) % len(QUESTION_COUNTRIES)]) for i in range(n)]
+
+
+EXTRACTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "city": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "occupation": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "city", "age", "occupation"],
+    "additionalProperties": False,
+}
+
+PEOPLE = [
+    ("Amina Haddad", "Rabat", 34, "architect"), ("Lars Eriksen", "Bergen", 51, "fisherman"),
+    ("Mei Tanaka", "Osaka", 27, "nurse"), ("Diego Alvarez", "Quito", 45, "teacher"),
+    ("Priya Nair", "Kochi", 38, "pilot"), ("Tomasz Nowak", "Gdansk", 62, "baker"),
+    ("Chloe Martin", "Lyon", 23, "student"), ("Kwame Mensah", "Kumasi", 40, "engineer"),
+]
+
+
+def extraction_prompts(n: int) -> list[str]:
+    """``n`` short passages, each describing one person, to extract as JSON."""
+    out = []
+    for i in range(n):
+        name, city, age, job = PEOPLE[i % len(PEOPLE)]
+        out.append(f"Extract the person as JSON.\nText: {name} is {age + i // len(PEOPLE)} years old, lives in {city} and works as a {job}.")
+    return out
