@@ -42,8 +42,9 @@ class DecodePlan:
     groups: list[SharedPrefix]
 
 
-def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_shared: int = MIN_SHARED_PREFIX) -> DecodePlan:
+def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_shared: int | None = None) -> DecodePlan:
     """Find shared prefixes among the rows and index what is left of each row."""
+    min_shared = MIN_SHARED_PREFIX if min_shared is None else min_shared
     device = req_to_token.device
     lmax = max(seq_lens)
     table = req_to_token.index_select(0, rows)[:, :lmax]

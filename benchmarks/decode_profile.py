@@ -1,0 +1,122 @@
+"""Where a decode step's time goes: matmuls, attention, sampling, scheduling, detokenization.
+
+Runs the few-shot workload (shared ~420-token prefix) until every request decodes, then times
+``--steps`` decode steps at the given batch sizes, splitting each step into: the model's linear
+layers (matmuls, incl. the output head), attention (KV writes, gathers, softmax), the rest of the
+forward (norms, RoPE, embeddings), token picking (sampling, masks, stop checks), detokenization,
+and scheduling plus Python overhead (the remainder).
+
+    .venv/bin/python benchmarks/decode_profile.py [--batch 1 8 32] [--quantization int4]
+        [--no-cascade] [--threads 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workloads import few_shot_prompts  # noqa: E402
+
+import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
+from radixlm.runtime.engine import build_runtime  # noqa: E402
+from radixlm.runtime.models.quant import Int4Linear, Int8Linear  # noqa: E402
+from radixlm.runtime.request import Req  # noqa: E402
+from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
+from radixlm.runtime.server_args import ServerArgs  # noqa: E402
+
+
+class Clock:
+    """Accumulates wall time of wrapped callables by category."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def wrap(self, category: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[category] = self.totals.get(category, 0.0) + time.perf_counter() - t
+
+        return timed
+
+
+def instrument(rt, clock: Clock) -> None:
+    """Wrap the model's linear layers, the attention backend, the decoder and the detokenizer."""
+    for module in rt.runner.model.modules():
+        if isinstance(module, (nn.Linear, Int8Linear, Int4Linear)):
+            module.forward = clock.wrap("matmul", module.forward)
+    model = rt.runner.model
+    model.compute_logits = clock.wrap("matmul", model.compute_logits)
+    backend = rt.runner.attn_backend
+    backend.forward = clock.wrap("attention", backend.forward)
+    backend.init_forward_metadata = clock.wrap("attention", backend.init_forward_metadata)
+    rt.runner.forward = clock.wrap("forward", rt.runner.forward)
+    dec = rt.scheduler.decoder
+    dec.process = clock.wrap("pick", dec.process)
+    dec.outputs.update_text = clock.wrap("detokenize", dec.outputs.update_text)
+
+
+def profile(batch: int, steps: int, args: argparse.Namespace) -> dict[str, float]:
+    rt = build_runtime(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization))
+    tok = rt.tokenizer
+    for i, p in enumerate(few_shot_prompts(batch)):
+        rt.scheduler.add(Req(rid=str(i), input_ids=tok(p).input_ids, params=SamplingParams(max_new_tokens=steps + 64, temperature=0, ignore_eos=True), sink=lambda out: None))
+    while rt.scheduler.waiting or any(not r.generating for r in rt.scheduler.running):
+        rt.scheduler.step()
+    for _ in range(3):
+        rt.scheduler.step()
+    clock = Clock()
+    instrument(rt, clock)
+    t = time.perf_counter()
+    for _ in range(steps):
+        rt.scheduler.step()
+    total = (time.perf_counter() - t) / steps
+    per = {k: v / steps for k, v in clock.totals.items()}
+    matmul, attention, forward = per.get("matmul", 0), per.get("attention", 0), per.get("forward", 0)
+    pick, detok = per.get("pick", 0), per.get("detokenize", 0)
+    return {
+        "step": total,
+        "matmuls": matmul,
+        "attention": attention,
+        "other forward": forward - matmul - attention,
+        "sampling & stop checks": pick - detok,
+        "detokenize": detok,
+        "scheduling & Python": total - forward - pick,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--no-cascade", action="store_true", help="Disable the shared-prefix decode attention (the 'before' path).")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.no_cascade:
+        torch_decode.MIN_SHARED_PREFIX = 1 << 30
+    rows = {b: profile(b, args.steps, args) for b in args.batch}
+    keys = ["matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
+    label = f"{args.quantization or 'fp32'}, cascade {'off' if args.no_cascade else 'on'}, {torch.get_num_threads()} threads"
+    lines = [f"Decode step breakdown ({label}); ms per step (share of the step).", "", "| batch | step (ms) | output tok/s | " + " | ".join(keys) + " |", "|---:|---:|---:|" + "---:|" * len(keys)]
+    for b, r in rows.items():
+        cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]
+        lines.append(f"| {b} | {1e3 * r['step']:.1f} | {b / r['step']:.1f} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(f"Command: `{' '.join(sys.argv)}`\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
