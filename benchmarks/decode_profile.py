@@ -65,7 +65,7 @@ def instrument(rt, clock: Clock) -> None:
 
 
 def profile(batch: int, steps: int, args: argparse.Namespace) -> dict[str, float]:
-    rt = build_runtime(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization))
+    rt = build_runtime(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization, dtype=args.dtype))
     tok = rt.tokenizer
     for i, p in enumerate(few_shot_prompts(batch)):
         rt.scheduler.add(Req(rid=str(i), input_ids=tok(p).input_ids, params=SamplingParams(max_new_tokens=steps + 64, temperature=0, ignore_eos=True), sink=lambda out: None))
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-cascade", action="store_true", help="Disable the shared-prefix decode attention (the 'before' path).")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -106,7 +107,7 @@ def main() -> None:
         torch_decode.MIN_SHARED_PREFIX = 1 << 30
     rows = {b: profile(b, args.steps, args) for b in args.batch}
     keys = ["matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
-    label = f"{args.quantization or 'fp32'}, cascade {'off' if args.no_cascade else 'on'}, {torch.get_num_threads()} threads"
+    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, {torch.get_num_threads()} threads"
     lines = [f"Decode step breakdown ({label}); ms per step (share of the step).", "", "| batch | step (ms) | output tok/s | " + " | ".join(keys) + " |", "|---:|---:|---:|" + "---:|" * len(keys)]
     for b, r in rows.items():
         cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]

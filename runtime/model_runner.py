@@ -41,6 +41,8 @@ class ModelRunner:
         self.model, self.config = load_model(model_path, self.dtype, self.device)
         if args.quantization:
             quantize_model(self.model, args.quantization)
+        elif self.dtype != torch.float32 and self.device.type == "cpu":
+            self.model.keep_head_in_fp32()
         self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
         self.max_total_tokens = self._pool_size()
         self.kv_pool = KVPool(

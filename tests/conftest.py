@@ -42,3 +42,43 @@ def smollm2_path() -> str:
     from radixlm.runtime.loader import default_model_path
 
     return default_model_path()
+
+
+# ------------------------------------------------------------ frontend language (lang/)
+@pytest.fixture(scope="module")
+def lang_engine_backend(tiny_llama: str):
+    """An in-process EngineBackend on the tiny Llama (output quality does not matter)."""
+    from radixlm.lang.backend.engine import EngineBackend
+
+    backend = EngineBackend(model_path=tiny_llama)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lang_server_backend(tiny_llama: str):
+    """A RuntimeEndpoint talking to ``radixlm serve`` on the tiny Llama, in a child process."""
+    from helpers import ServerProcess
+    from radixlm.lang.backend.endpoint import RuntimeEndpoint
+
+    server = ServerProcess(tiny_llama)
+    backend = RuntimeEndpoint(server.base_url)
+    yield backend
+    backend.shutdown()
+    server.stop()
+
+
+@pytest.fixture(params=["engine", "server"])
+def lang_backend(request: pytest.FixtureRequest):
+    """Each test runs once in-process and once over HTTP (the tiny Llama behind both)."""
+    return request.getfixturevalue(f"lang_{request.param}_backend")
+
+
+@pytest.fixture(scope="module")
+def smollm2_backend(smollm2_path: str):
+    """An in-process EngineBackend on the embedded SmolLM2 (for tests where outputs must make sense)."""
+    from radixlm.lang.backend.engine import EngineBackend
+
+    backend = EngineBackend(model_path=smollm2_path)
+    yield backend
+    backend.shutdown()

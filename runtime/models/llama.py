@@ -17,7 +17,7 @@ from torch import nn
 
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.models.config import ModelConfig
-from radixlm.runtime.models.rope import RotaryEmbedding
+from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -30,16 +30,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dimension of ``x`` and scale it."""
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection and RoPE."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -47,16 +44,15 @@ class LlamaAttention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attend each new token to its sequence's cached prefix and to earlier new tokens."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(out)
 
@@ -78,16 +74,16 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
+        self.self_attn = LlamaAttention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """One transformer block."""
-        x = x + self.self_attn(positions, self.input_layernorm(x), batch)
+        x = x + self.self_attn(rope, self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,25 +104,37 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = rotary
+        self.head_fp32: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the batch's new tokens."""
         x = self.embed_tokens(batch.input_ids)
+        rope = self.rotary.table(batch.positions, x.dtype)
         for layer in self.layers:
-            x = layer(batch.positions, x, batch)
+            x = layer(rope, x, batch)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for the given hidden states."""
+        if self.head_fp32 is not None:
+            return F.linear(hidden.float(), self.head_fp32)
         if self.lm_head is None:  # tied to the embedding
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def keep_head_in_fp32(self) -> None:
+        """Compute logits from an fp32 copy of the output head (used when the model runs in bf16/fp16).
+
+        The head is the widest matmul; on CPUs a bf16 matrix-vector product there is slower than
+        fp32, and fp32 logits keep logprobs and near-ties faithful.
+        """
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head_fp32 = weight.detach().float()
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

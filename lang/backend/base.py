@@ -1,0 +1,90 @@
+"""The backend interface: what the interpreter needs from a radixlm runtime."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+from radixlm.lang.chat_template import ChatTemplate
+
+
+class BackendError(RuntimeError):
+    """The runtime failed or could not be reached (not a problem with the request itself)."""
+
+
+class Backend(ABC):
+    """Runs the requests of prompt programs on one radixlm runtime.
+
+    Contract, for every implementation:
+
+    - Methods are called from many threads at once (each program state and each fork branch
+      runs on its own thread); they must be thread-safe and block only their caller.
+    - A request the runtime refuses (bad sampling parameter, uncompilable regex or schema, prompt
+      too long) raises ``ValueError`` with the runtime's message; a runtime that fails or cannot
+      be reached raises ``BackendError``. No method waits forever on a runtime that has died.
+    - Results use the runtime's ``/generate`` shape: ``{"text", "meta_info"}`` where ``meta_info``
+      has ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and ``finish_reason``, and
+      ``input_token_logprobs`` (``(logprob, token_id, text)`` triples) when logprobs were asked.
+    - Texts are tokenized by the runtime the way ``/generate`` tokenizes them (special tokens
+      added), so ``tokenize`` and ``generate`` agree on token boundaries.
+    """
+
+    def __init__(self) -> None:
+        self._template: ChatTemplate | None = None
+        self._template_lock = threading.Lock()
+
+    @abstractmethod
+    def generate(
+        self,
+        text: str,
+        sampling_params: dict[str, Any],
+        *,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        return_text_in_logprobs: bool = False,
+    ) -> dict[str, Any]:
+        """Complete ``text`` with SGLang's sampling parameters; returns the final ``{"text", "meta_info"}``."""
+
+    @abstractmethod
+    def generate_stream(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> Iterator[dict[str, Any]]:
+        """Like ``generate``, yielding ``{"text", "meta_info"}`` with the text so far; the last is final."""
+
+    @abstractmethod
+    def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
+        """Run prompts without generating (one batch), returning prompt logprobs from ``logprob_start_len``."""
+
+    @abstractmethod
+    def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, as the runtime tokenizes it."""
+
+    @abstractmethod
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """Render chat messages with the model's chat template."""
+
+    @abstractmethod
+    def flush_cache(self) -> bool:
+        """Empty the runtime's radix cache; False when it refused (requests in flight)."""
+
+    def cache_prefix(self, text: str) -> dict[str, Any]:
+        """Prefill ``text`` with no new tokens so that requests extending it hit the cache."""
+        return self.generate(text, {"max_new_tokens": 0})
+
+    def get_chat_template(self) -> ChatTemplate:
+        """The model's role markers, probed once and kept."""
+        with self._template_lock:
+            if self._template is None:
+                self._template = ChatTemplate.probe(self.apply_chat_template, self.tokenize)
+            return self._template
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release what the backend holds (connections, a child server, an engine it created)."""
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
