@@ -14,7 +14,7 @@ log-sum-exp::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,14 @@ class DecodePlan:
     suffix_index: torch.Tensor  # [B, S] slots after each row's shared prefix, padded
     suffix_mask: torch.Tensor  # [B, 1, 1, S] bool
     groups: list[SharedPrefix]
+    _bias: dict = field(default_factory=dict)
+
+    def suffix_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The suffix mask as an additive bias (0 / -inf) in ``dtype``, built once per step."""
+        if dtype not in self._bias:
+            zeros = torch.zeros(self.suffix_mask.shape, dtype=dtype, device=self.suffix_mask.device)
+            self._bias[dtype] = zeros.masked_fill(~self.suffix_mask, float("-inf"))
+        return self._bias[dtype]
 
 
 def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_shared: int | None = None) -> DecodePlan:
@@ -76,13 +84,23 @@ def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[i
     return DecodePlan(suffix_index, valid[:, None, None, :], groups)
 
 
-def _partial(q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over one key block: (normalized output, log-sum-exp of the scores)."""
-    scores = (q @ k_t) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    return torch.exp(scores - lse) @ v, lse
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``[B, H, Q, D]`` over ``k``/``v`` ``[B, H, L, D]``.
+
+    Returns the normalized output and the log-sum-exp of the scores ``[B, H, Q, 1]`` (fp32),
+    using PyTorch's fused CPU kernel where there is one.
+    """
+    if _FLASH is not None and q.device.type == "cpu":
+        out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse.unsqueeze(-1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
+    return (torch.exp(scores.float() - lse) @ v.float()).to(q.dtype), lse
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
@@ -94,21 +112,20 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     qd = q.view(bd, num_kv, group, head_dim)
     smax = plan.suffix_index.shape[1]
     flat = plan.suffix_index.reshape(-1)
-    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).permute(0, 2, 3, 1)
+    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
     vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    out, lse = _partial(qd, ks, vs, plan.suffix_mask, scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
+    out, lse = _partial(qd, ks, vs, plan.suffix_bias(q.dtype), scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
     for g in plan.groups:
         if g.start is not None:
             kp, vp = k_pool[g.start : g.start + g.length], v_pool[g.start : g.start + g.length]
         else:
             kp, vp = k_pool.index_select(0, g.slots), v_pool.index_select(0, g.slots)
         n = len(g.rows)
-        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(num_kv, n * group, head_dim)
-        o2, lse2 = _partial(qg, kp.permute(1, 2, 0), vp.transpose(0, 1), None, scale)  # [Hkv, n*G, ...]
+        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
+        o2, lse2 = _partial(qg, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)  # [1, Hkv, n*G, ...]
         o2 = o2.view(num_kv, n, group, head_dim).transpose(0, 1)
         lse2 = lse2.view(num_kv, n, group, 1).transpose(0, 1)
         o1, lse1 = out.index_select(0, g.rows), lse.index_select(0, g.rows)
-        top = torch.maximum(lse1, lse2)
-        w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
-        out[g.rows] = (o1 * w1 + o2 * w2) / (w1 + w2)
+        w1 = torch.sigmoid(lse1 - lse2)  # exp(lse1) / (exp(lse1) + exp(lse2))
+        out[g.rows] = (o1 * w1 + o2 * (1 - w1)).to(out.dtype)
     return out.reshape(bd, num_heads, head_dim)
