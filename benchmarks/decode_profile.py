@@ -50,11 +50,11 @@ class Clock:
 
 def instrument(rt, clock: Clock) -> None:
     """Wrap the model's linear layers, the attention backend, the decoder and the detokenizer."""
-    for module in rt.runner.model.modules():
-        if isinstance(module, (nn.Linear, Int8Linear, Int4Linear)):
-            module.forward = clock.wrap("matmul", module.forward)
     model = rt.runner.model
-    model.compute_logits = clock.wrap("matmul", model.compute_logits)
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, Int8Linear, Int4Linear)) and module is not model.lm_head:
+            module.forward = clock.wrap("matmul", module.forward)
+    model.compute_logits = clock.wrap("matmul", model.compute_logits)  # the output head
     backend = rt.runner.attn_backend
     backend.forward = clock.wrap("attention", backend.forward)
     backend.init_forward_metadata = clock.wrap("attention", backend.init_forward_metadata)

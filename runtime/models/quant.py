@@ -9,6 +9,9 @@ matmuls (norms, RoPE, attention, residuals) stays in that dtype.
 - int4: groups of 32 input weights with a scale and a minimum (``w = q * scale + min``,
   ``q`` in 0..15) — the same layout as GGUF's Q4_1 blocks, so a Q4_1 model re-quantized here gets
   its original values back (up to bf16 rounding of the scales).
+- int4_bf16: int4 for small batches, where reading the weights dominates, and a bf16 copy of the
+  weights for large batches, where the int4 kernel's dequantization costs more than bf16 math
+  (measured on this machine's AVX-512-BF16 CPU; see benchmarks/results/decode_profile.md).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from torch import nn
 
 INT4_GROUP = 32
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "int4_bf16")
+DENSE_FROM_TOKENS = 16  # int4_bf16: from this many rows on, the bf16 copy of the weights is faster
 
 
 class Int8Linear(nn.Module):
@@ -43,10 +47,11 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with W in packed 4-bit groups of 32 (scale and minimum per group)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, keep_bf16: bool = False) -> None:
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
+        self.register_buffer("dense", w.to(torch.bfloat16) if keep_bf16 else None)
         if k % INT4_GROUP:
             raise ValueError(f"int4 quantization needs in_features divisible by {INT4_GROUP}, got {k}")
         groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
@@ -68,8 +73,11 @@ class Int4Linear(nn.Module):
         self.out_features = n
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantized matmul on bf16 activations; returns ``x``'s dtype."""
+        """Quantized matmul on bf16 activations (bf16 weights for many rows); returns ``x``'s dtype."""
         shape = x.shape
+        if self.dense is not None and x.numel() >= DENSE_FROM_TOKENS * shape[-1]:
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, INT4_GROUP, self.scales_zeros)
         y = y[:, : self.out_features].to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -81,12 +89,16 @@ def quantize_model(model: nn.Module, mode: str) -> None:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("weight-only quantization uses PyTorch's CPU kernels; it needs --device cpu")
-    cls = Int8Linear if mode == "int8" else Int4Linear
+    def make(linear: nn.Linear) -> nn.Module:
+        if mode == "int8":
+            return Int8Linear(linear)
+        return Int4Linear(linear, keep_bf16=mode == "int4_bf16")
+
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, cls(child))
+                setattr(module, child_name, make(child))
     if getattr(model, "lm_head", None) is None:  # tied: the head is a quantized copy of the embedding
         head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
         head.weight = model.embed_tokens.weight
-        model.lm_head = cls(head)
+        model.lm_head = Int8Linear(head) if mode == "int8" else Int4Linear(head)
