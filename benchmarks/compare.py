@@ -140,7 +140,7 @@ WORKLOADS = {
 
 
 async def run_workload(server: servers.Launched, fn) -> dict:
-    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=1800, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=1800, max_retries=3)
     rec = Recorder()
     start = time.perf_counter()
     await fn(client, server.extra_body, rec)

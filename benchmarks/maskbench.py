@@ -9,7 +9,7 @@ and, at the end, an end token is allowed (or the matcher is terminated). A valid
 judged right when accepted, an invalid one when rejected.
 
     .venv/bin/python benchmarks/maskbench.py [--backend llguidance|outlines] [--timeout 20]
-        [--jobs 1] [--verbose] FILE_OR_DIR...
+        [--jobs 1] [--verbose] [--mask-times OUT.npz] FILE_OR_DIR...
 
 Output (stdout), one JSON line per file, in argument order::
 
@@ -18,7 +18,7 @@ Output (stdout), one JSON line per file, in argument order::
 
 then ``{"summary": {"files", "compiled", "passing", "invalid_accepted", "compile_ms_p50",
 "compile_ms_p75", "mask_us_p50", "mask_us_p99"}}``. ``passing``: compiled, no error, and every
-instance judged right. ``invalid_accepted``: invalid instances accepted, over all files.
+instance judged right. ``invalid_accepted``: invalid instances accepted, over compiled files.
 ``compile_ms`` is the time of ``backend.compile`` (also when it refuses; null on a timeout);
 the summary's compile percentiles are over compiled files, its mask percentiles over every mask
 of every file. A file that did not compile has ``valid_ok = invalid_rejected = 0``.
@@ -123,9 +123,10 @@ class Checker:
         for i, t in enumerate(tokens):
             self.fill(m, times)
             if not self.allowed(t):
-                return False, f"token {i} {self.tok.decode([t])!r} masked after {self.tok.decode(tokens[:i])[-60:]!r}"
+                before = self.tok.decode(tokens[:i])[-60:]
+                return False, f"token {i} {self.tok.decode([t])!r} masked after {before!r}"
             if not m.accept(t):
-                return False, f"token {i} {self.tok.decode([t])!r} allowed by the mask but refused by accept() (backend inconsistency)"
+                return False, f"token {i} {self.tok.decode([t])!r} allowed by the mask but refused by accept()"
         if m.is_terminated():
             return True, ""
         self.fill(m, times)
@@ -162,7 +163,8 @@ class Checker:
                     accepted, where = self.walk(compiled, serialize(test["data"]), times)
                 except Exception as exc:
                     accepted, where = False, f"error while walking: {type(exc).__name__}: {exc}"
-                conn.send(("inst", bool(test.get("valid")), accepted, where, test.get("description", ""), np.asarray(times, dtype=np.float32).tobytes()))
+                times_bytes = np.asarray(times, dtype=np.float32).tobytes()
+                conn.send(("inst", bool(test.get("valid")), accepted, where, test.get("description", ""), times_bytes))
         conn.send(("done",))
 
 
@@ -222,7 +224,8 @@ class FileResult:
 
     def passing(self) -> bool:
         """Compiled, no error, every instance judged right."""
-        return bool(self.compiled) and self.error is None and self.valid_ok == self.valid_total and self.invalid_rejected == self.invalid_total
+        all_right = self.valid_ok == self.valid_total and self.invalid_rejected == self.invalid_total
+        return bool(self.compiled) and self.error is None and all_right
 
     def line(self) -> dict:
         """The file's output record."""
@@ -285,12 +288,13 @@ class Worker:
         self.start()
 
     def close(self) -> None:
-        """Ask the process to exit, killing it if it does not."""
-        try:
-            self.conn.send(None)
-            self.proc.join(5)
-        except (OSError, ValueError):
-            pass
+        """Ask an idle process to exit; kill a busy one (or one that does not exit)."""
+        if self.job is None:
+            try:
+                self.conn.send(None)
+                self.proc.join(5)
+            except (OSError, ValueError):
+                pass
         self.kill()
 
 
@@ -372,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
             for note in res.misjudged:
                 print(f"{res.path.name}: {note}", file=sys.stderr, flush=True)
         mask_times.append(res.times())
-        res.mask_us = []  # keep the parent's memory flat
         done.append(res)
     print(json.dumps({"summary": summarize(done, mask_times)}), flush=True)
     if args.mask_times:

@@ -173,6 +173,9 @@ class Decoder:
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
         n_out = len(req.output_ids)
+        if req.grammar is not None and req.grammar.error() is not None:
+            self.outputs.update_text(req, final=True)
+            return FinishReason("abort", message=f"constraint failed: {req.grammar.error()}")
         if not p.ignore_eos and token in self.end_ids and n_out >= p.min_new_tokens:
             self.outputs.update_text(req, final=True)
             return FinishReason("stop", matched=token)

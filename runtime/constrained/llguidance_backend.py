@@ -29,10 +29,17 @@ def _utf8_prefix(data: bytes) -> str:
 
 
 class LLGuidanceMatcher(Matcher):
-    """A request's state in an llguidance grammar."""
+    """A request's state in an llguidance grammar.
 
-    def __init__(self, matcher) -> None:
+    llguidance reports resource limits (e.g. its lexer building too many states) by putting the
+    matcher in an error state, where it stops and allows only end tokens; ``error()`` exposes
+    that, ``is_terminated()`` never mistakes it for a finished grammar, and the grammar it came
+    from is marked so later requests get a freshly built one (the lexer's state is shared).
+    """
+
+    def __init__(self, matcher, grammar: LLGuidanceGrammar | None = None) -> None:
         self._m = matcher
+        self._grammar = grammar
 
     def accept(self, token: int) -> bool:
         """Consume ``token`` if the grammar allows it."""
@@ -48,8 +55,8 @@ class LLGuidanceMatcher(Matcher):
         self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
     def is_terminated(self) -> bool:
-        """True when only end-of-sequence may follow."""
-        return self._m.is_stopped()
+        """True when only end-of-sequence may follow (and not because of an error)."""
+        return self._m.is_stopped() and not self._m.is_error()
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` tokens."""
@@ -62,11 +69,15 @@ class LLGuidanceMatcher(Matcher):
 
     def copy(self) -> LLGuidanceMatcher:
         """An independent copy."""
-        return LLGuidanceMatcher(self._m.deep_copy())
+        return LLGuidanceMatcher(self._m.deep_copy(), self._grammar)
 
     def error(self) -> str | None:
         """The matcher's error message once it entered its error state."""
-        return self._m.get_error() if self._m.is_error() else None
+        if not self._m.is_error():
+            return None
+        if self._grammar is not None:
+            self._grammar.poisoned = True
+        return self._m.get_error()
 
     @property
     def raw(self):
@@ -82,15 +93,21 @@ class LLGuidanceGrammar(CompiledGrammar):
     the scheduler's.
     """
 
-    def __init__(self, template) -> None:
+    def __init__(self, template, build) -> None:
+        self._build = build
         self._template = template
-        template.compute_bitmask()
+        self._template.compute_bitmask()
+        self.poisoned = False
 
     def matcher(self) -> LLGuidanceMatcher:
         """A fresh matcher at the grammar's start, its first mask already computed once."""
+        if self.poisoned:  # a matcher hit a limit in the shared lexer: start over from the grammar
+            self._template = self._build()
+            self._template.compute_bitmask()
+            self.poisoned = False
         m = self._template.deep_copy()
         m.compute_bitmask()
-        return LLGuidanceMatcher(m)
+        return LLGuidanceMatcher(m, self)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -140,7 +157,7 @@ class LLGuidanceBackend(GrammarBackend):
         template = self._LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise self._error(kind, template.get_error(), schema)
-        return LLGuidanceGrammar(template)
+        return LLGuidanceGrammar(template, lambda: self._LLMatcher(self.tokenizer, grammar, log_level=0))
 
     def _error(self, kind: str, message: str, schema) -> GrammarError:
         m = _UNIMPLEMENTED.search(message)
