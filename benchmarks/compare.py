@@ -7,9 +7,10 @@ Workloads (same prompts for every system; data in benchmarks/workloads.py):
 4. JSON extraction under a JSON schema (response_format json_schema);
 5. single stream: one request, 256 new tokens (batch-1 decode speed).
 
-Every system is started on 127.0.0.1 (radixlm from .venv, peers from their install folders, see
-benchmarks/peers/), and the workloads alternate between systems round by round. Output: a
-markdown table and a PNG chart in benchmarks/results/.
+Systems run one at a time on 127.0.0.1 (radixlm from .venv, peers from their install folders, see
+benchmarks/peers/): each is started, runs every workload, and is stopped before the next starts
+(an idle server can still take CPU from the one measured); the order alternates round by round.
+Output: a markdown table and a PNG chart in benchmarks/results/.
 
     .venv/bin/python benchmarks/compare.py [--systems radixlm llama.cpp vllm] [--rounds 1]
         [--radixlm-args "--quantization int4"]
@@ -140,11 +141,11 @@ WORKLOADS = {
 
 
 async def run_workload(server: servers.Launched, fn) -> dict:
-    client = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=1800, max_retries=3)
     rec = Recorder()
-    start = time.perf_counter()
-    await fn(client, server.extra_body, rec)
-    wall = time.perf_counter() - start
+    async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=1800, max_retries=3) as client:
+        start = time.perf_counter()
+        await fn(client, server.extra_body, rec)
+        wall = time.perf_counter() - start
     return {
         "tok_s": rec.tokens / wall,
         "tokens": rec.tokens,
@@ -156,7 +157,7 @@ async def run_workload(server: servers.Launched, fn) -> dict:
 
 def report(results: dict, systems: list[servers.Launched], args: argparse.Namespace) -> str:
     names = [s.name for s in systems]
-    lines = ["# radixlm vs peers", "", f"Command: `{' '.join(sys.argv)}`  ", f"Date: {datetime.date.today()}; 2 cores; SmolLM2-135M-Instruct; temperature 0; {args.rounds} round(s), workloads alternating between systems; best round shown.", ""]
+    lines = ["# radixlm vs peers", "", f"Command: `{' '.join(sys.argv)}`  ", f"Date: {datetime.date.today()}; 2 cores; SmolLM2-135M-Instruct; temperature 0; {args.rounds} round(s); one system at a time (order alternating by round), each started cold; best round shown.", ""]
     lines += ["Systems:", *[f"- **{s.name}**: `{s.config}`" for s in systems], ""]
     head = "| workload | " + " | ".join(f"{n} tok/s | {n} TTFT p50 (s)" for n in names) + " | " + " | ".join(f"radixlm / {n}" for n in names if n != "radixlm") + " |"
     lines += [head, "|---|" + "---:|" * (2 * len(names) + len(names) - 1)]
@@ -210,22 +211,21 @@ def main() -> None:
     if args.workloads:
         WORKLOADS = {k: v for i, (k, v) in enumerate(WORKLOADS.items(), 1) if i in args.workloads}
     names = args.systems or servers.installed()
-    launched = []
-    try:
-        for n in names:
-            print(f"starting {n} ...", flush=True)
-            launched.append(servers.start(n, args.threads, tuple(shlex.split(args.radixlm_args))))
-        results = {w: {n: [] for n in names} for w in WORKLOADS}
-        for r in range(args.rounds):
-            for w, fn in WORKLOADS.items():
-                order = launched if r % 2 == 0 else launched[::-1]
-                for server in order:
+    results = {w: {n: [] for n in names} for w in WORKLOADS}
+    configs: dict[str, servers.Launched] = {}
+    for r in range(args.rounds):
+        for n in names if r % 2 == 0 else names[::-1]:
+            print(f"round {r}: starting {n} ...", flush=True)
+            server = servers.start(n, args.threads, tuple(shlex.split(args.radixlm_args)))
+            configs[n] = server
+            try:
+                for w, fn in WORKLOADS.items():
                     res = asyncio.run(run_workload(server, fn))
-                    results[w][server.name].append(res)
-                    print(f"round {r} {w} {server.name}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50']:.2f} s", flush=True)
-    finally:
-        for s in launched:
-            servers.stop(s)
+                    results[w][n].append(res)
+                    print(f"round {r} {w} {n}: {res['tok_s']:.1f} tok/s, TTFT p50 {res['ttft_p50']:.2f} s", flush=True)
+            finally:
+                servers.stop(server)
+    launched = [configs[n] for n in names]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = report(results, launched, args)
