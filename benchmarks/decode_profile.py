@@ -7,7 +7,7 @@ forward (norms, RoPE, embeddings), token picking (sampling, masks, stop checks),
 and scheduling plus Python overhead (the remainder).
 
     .venv/bin/python benchmarks/decode_profile.py [--batch 1 8 32] [--quantization int4]
-        [--no-cascade] [--threads 2] [--out FILE]
+        [--no-cascade] [--no-cpp-kernel] [--threads 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -101,13 +101,16 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-cascade", action="store_true", help="Disable the shared-prefix decode attention (the 'before' path).")
+    ap.add_argument("--no-cpp-kernel", action="store_true", help="Gather K/V and use PyTorch's attention instead of the C++ paged kernel.")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.no_cascade:
         torch_decode.MIN_SHARED_PREFIX = 1 << 30
+    if args.no_cpp_kernel:
+        torch_decode.paged_decode_ext = lambda: None
     rows = {b: profile(b, args.steps, args) for b in args.batch}
     keys = ["matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
-    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, {torch.get_num_threads()} threads"
+    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernel {'off' if args.no_cpp_kernel else 'on'}, {torch.get_num_threads()} threads"
     lines = [f"Decode step breakdown ({label}); ms per step (share of the step).", "", "| batch | step (ms) | output tok/s | " + " | ".join(keys) + " |", "|---:|---:|---:|" + "---:|" * len(keys)]
     for b, r in rows.items():
         cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixlm.kernels.cpu_ext import paged_decode_ext
 from radixlm.radix_cache.pool import PAD_SLOT
 
 MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
@@ -40,6 +41,10 @@ class DecodePlan:
     suffix_index: torch.Tensor  # [B, S] slots after each row's shared prefix, padded
     suffix_mask: torch.Tensor  # [B, 1, 1, S] bool
     groups: list[SharedPrefix]
+    table: torch.Tensor  # the request -> slot table
+    rows: torch.Tensor  # [B] its rows
+    prefix_len: torch.Tensor  # [B] positions covered by a shared prefix
+    suffix_len: torch.Tensor  # [B] positions after it
     _bias: dict = field(default_factory=dict)
 
     def suffix_bias(self, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +86,7 @@ def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[i
     valid = offsets[None, :] < suffix_len[:, None]
     positions = (prefix_len[:, None] + offsets[None, :]).clamp(max=lmax - 1)
     suffix_index = table.gather(1, positions).masked_fill(~valid, PAD_SLOT)
-    return DecodePlan(suffix_index, valid[:, None, None, :], groups)
+    return DecodePlan(suffix_index, valid[:, None, None, :], groups, req_to_token, rows, prefix_len, suffix_len)
 
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -103,6 +108,22 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     return (torch.exp(scores.float() - lse) @ v.float()).to(q.dtype), lse
 
 
+def _suffix_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row over its own (non-shared) positions: ``[B, Hkv, G, D]`` output and log-sum-exp."""
+    bd, num_heads, head_dim = q.shape
+    num_kv = k_pool.shape[1]
+    group = num_heads // num_kv
+    ext = paged_decode_ext() if q.device.type == "cpu" else None
+    if ext is not None:  # read the pool in place (C++), no gathered copy
+        out, lse = ext.paged_decode(q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale)
+        return out.view(bd, num_kv, group, head_dim), lse.view(bd, num_kv, group, 1)
+    smax = plan.suffix_index.shape[1]
+    flat = plan.suffix_index.reshape(-1)
+    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    return _partial(q.view(bd, num_kv, group, head_dim), ks, vs, plan.suffix_bias(q.dtype), scale)
+
+
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """Attention of one query token per row (``q`` ``[B, H, D]``) over the pool; returns ``[B, H, D]``."""
     bd, num_heads, head_dim = q.shape
@@ -110,11 +131,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     group = num_heads // num_kv
     scale = head_dim**-0.5
     qd = q.view(bd, num_kv, group, head_dim)
-    smax = plan.suffix_index.shape[1]
-    flat = plan.suffix_index.reshape(-1)
-    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    out, lse = _partial(qd, ks, vs, plan.suffix_bias(q.dtype), scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
+    out, lse = _suffix_attention(q, k_pool, v_pool, plan, scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
     for g in plan.groups:
         if g.start is not None:
             kp, vp = k_pool[g.start : g.start + g.length], v_pool[g.start : g.start + g.length]
@@ -128,4 +145,4 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         o1, lse1 = out.index_select(0, g.rows), lse.index_select(0, g.rows)
         w1 = torch.sigmoid(lse1 - lse2)  # exp(lse1) / (exp(lse1) + exp(lse2))
         out[g.rows] = (o1 * w1 + o2 * (1 - w1)).to(out.dtype)
-    return out.reshape(bd, num_heads, head_dim)
+    return out.reshape(bd, num_heads, head_dim).to(q.dtype)

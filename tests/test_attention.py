@@ -28,8 +28,11 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
     return table
 
 
+@pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp", "torch-fallback"])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_decode_with_a_shared_prefix_matches_the_reference(contiguous):
+def test_decode_with_a_shared_prefix_matches_the_reference(contiguous, cpp_kernel, monkeypatch):
+    if not cpp_kernel:
+        monkeypatch.setattr("radixlm.kernels.torch_decode.paged_decode_ext", lambda: None)
     pool = _pool()
     prefix = list(range(10, 60)) if contiguous else list(range(300, 200, -2))
     rows = [prefix + [100 + i * 7 + j for j in range(i + 1)] for i in range(3)] + [list(range(150, 190))]
@@ -70,3 +73,33 @@ def test_extend_rows_with_and_without_prefix_match_the_reference():
     ref_b = reference_attention(q[4:], pool.k[0], pool.v[0], torch.tensor(slots_b), 0)
     torch.testing.assert_close(out[:4], ref_a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[4:], ref_b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_paged_decode_kernel_matches_the_reference(dtype):
+    from radixlm.kernels.cpu_ext import paged_decode_ext
+
+    ext = paged_decode_ext()
+    if ext is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler)")
+    pool = _pool(2)
+    k, v = pool.k[0].to(dtype), pool.v[0].to(dtype)
+    rows = [list(range(300, 200, -2)) + [7, 9], list(range(3, 40)), [150], list(range(60, 131))]
+    table = _table(rows)
+    order = torch.tensor([2, 0, 3, 1])  # queries address table rows out of order
+    starts = torch.tensor([0, 5, 0, 33])  # part of each row, as after a shared prefix
+    lens = torch.tensor([len(rows[i]) for i in order.tolist()]) - starts
+    q = torch.randn(4, H, D).to(dtype)
+    out, lse = ext.paged_decode(q, k, v, table, order, starts, lens, D**-0.5)
+    assert out.dtype == torch.float32 and lse.shape == (4, H)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, r in enumerate(order.tolist()):
+        slots = torch.tensor(rows[r][starts[i] :])
+        ref = reference_attention(q[i : i + 1].float(), k.float(), v.float(), slots, len(slots) - 1)
+        torch.testing.assert_close(out[i : i + 1], ref, atol=tol, rtol=tol)
+        ref_lse = torch.stack(
+            [torch.logsumexp(k[slots, h // (H // HKV)].float() @ q[i, h].float() * D**-0.5, 0) for h in range(H)]
+        )
+        torch.testing.assert_close(lse[i], ref_lse, atol=tol, rtol=tol)
+    empty_out, empty_lse = ext.paged_decode(q[:1], k, v, table, order[:1], torch.tensor([1]), torch.tensor([0]), 1.0)
+    assert torch.all(empty_out == 0) and torch.all(torch.isinf(empty_lse))

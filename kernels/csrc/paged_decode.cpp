@@ -1,0 +1,125 @@
+// Paged decode attention for CPUs: each query row attends to a range of its slot-table row,
+// reading keys and values straight from the KV pool (no gather into a temporary copy).
+//
+// Grid: one task per (row, KV head), spread over the intra-op threads. A task loads the row's G
+// query heads of that KV head, walks the slots in blocks of BLOCK keys (scores for the block,
+// then one online-softmax rescale per block), and writes the normalized output and the
+// log-sum-exp, which the caller uses to merge with a shared-prefix part (cascade attention).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int BLOCK = 32;
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+template <typename T>
+void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, const int64_t* table_rows,
+                 const int64_t* starts, const int64_t* lens, float* out, float* lse, int64_t rows, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale) {
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * scale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.0f);
+      const int64_t* slots = table + table_rows[r] * table_stride + starts[r];
+      const int64_t n = lens[r];
+      for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
+        const int64_t nb = std::min<int64_t>(BLOCK, n - j0);
+        for (int64_t j = 0; j < nb; ++j) {
+          const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * dim;
+            float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_float(kr[d]);
+            scores[g * BLOCK + j] = s;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * BLOCK;
+          float block_max = sg[0];
+          for (int64_t j = 1; j < nb; ++j) block_max = std::max(block_max, sg[j]);
+          const float new_m = std::max(m[g], block_max);
+          const float correction = std::exp(m[g] - new_m);
+          float* ag = acc.data() + g * dim;
+          if (correction != 1.0f) {
+            for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+          }
+          float sum = 0.0f;
+          for (int64_t j = 0; j < nb; ++j) {
+            const float p = std::exp(sg[j] - new_m);
+            sum += p;
+            const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_float(vr[d]);
+          }
+          l[g] = l[g] * correction + sum;
+          m[g] = new_m;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        float* dst = out + (r * heads + head) * dim;
+        if (n == 0) {  // nothing to attend to: an empty part, which a merge weighs as zero
+          std::fill(dst, dst + dim, 0.0f);
+          lse[r * heads + head] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[g * dim + d] * inv;
+        lse[r * heads + head] = m[g] + std::log(l[g]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D]; k_pool, v_pool [N, Hkv, D] (same dtype as q); table [R, S] int64 (the request ->
+// slot table); rows [B] selects each query's table row; starts/lens [B]: the positions of that
+// row to attend to.
+// Returns (out [B, H, D] fp32, lse [B, H] fp32).
+std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                        torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
+                                        torch::Tensor lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q must be [B, H, D] and the pool [N, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "q and the pool must share a dtype");
+  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == torch::kLong, "table must be a contiguous int64 tensor");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the pool tensors must be contiguous");
+  auto qc = q.contiguous();
+  auto rw = rows.to(torch::kLong).contiguous();
+  auto st = starts.to(torch::kLong).contiguous();
+  auto ln = lens.to(torch::kLong).contiguous();
+  const int64_t b = qc.size(0), heads = qc.size(1), dim = qc.size(2), kv_heads = k_pool.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  auto out = torch::empty({b, heads, dim}, qc.options().dtype(torch::kFloat));
+  auto lse = torch::empty({b, heads}, qc.options().dtype(torch::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
+    decode_rows<scalar_t>(qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                          table.data_ptr<int64_t>(), rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(),
+                          ln.data_ptr<int64_t>(), out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads,
+                          dim, table.size(1), static_cast<float>(scale));
+  });
+  return {out, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention over slot ranges (CPU)");
+}
