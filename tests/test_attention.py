@@ -29,13 +29,15 @@ def _table(rows: list[list[int]]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp", "torch-fallback"])
+@pytest.mark.parametrize("every_row_shares", [True, False])
 @pytest.mark.parametrize("contiguous", [True, False])
-def test_decode_with_a_shared_prefix_matches_the_reference(contiguous, cpp_kernel, monkeypatch):
+def test_decode_with_a_shared_prefix_matches_the_reference(contiguous, every_row_shares, cpp_kernel, monkeypatch):
     if not cpp_kernel:
-        monkeypatch.setattr("radixlm.kernels.torch_decode.paged_decode_ext", lambda: None)
+        monkeypatch.setattr("radixlm.kernels.torch_decode.cpu_kernels", lambda: None)
     pool = _pool()
     prefix = list(range(10, 60)) if contiguous else list(range(300, 200, -2))
-    rows = [prefix + [100 + i * 7 + j for j in range(i + 1)] for i in range(3)] + [list(range(150, 190))]
+    rows = [prefix + [100 + i * 7 + j for j in range(i + 1)] for i in range(3)]
+    rows += [] if every_row_shares else [list(range(150, 190))]
     table = _table(rows)
     plan = plan_decode(table, torch.arange(len(rows)), [len(r) for r in rows])
     assert len(plan.groups) == 1 and plan.groups[0].length == 50
@@ -75,11 +77,12 @@ def test_extend_rows_with_and_without_prefix_match_the_reference():
     torch.testing.assert_close(out[4:], ref_b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 60.0], ids=["plain", "peaked"])  # peaked: score gaps far below exp's range
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_paged_decode_kernel_matches_the_reference(dtype):
-    from radixlm.kernels.cpu_ext import paged_decode_ext
+def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale):
+    from radixlm.kernels.cpu_ext import cpu_kernels
 
-    ext = paged_decode_ext()
+    ext = cpu_kernels()
     if ext is None:
         pytest.skip("the C++ kernel could not be built here (no compiler)")
     pool = _pool(2)
@@ -89,7 +92,7 @@ def test_cpp_paged_decode_kernel_matches_the_reference(dtype):
     order = torch.tensor([2, 0, 3, 1])  # queries address table rows out of order
     starts = torch.tensor([0, 5, 0, 33])  # part of each row, as after a shared prefix
     lens = torch.tensor([len(rows[i]) for i in order.tolist()]) - starts
-    q = torch.randn(4, H, D).to(dtype)
+    q = (torch.randn(4, H, D) * q_scale).to(dtype)
     out, lse = ext.paged_decode(q, k, v, table, order, starts, lens, D**-0.5)
     assert out.dtype == torch.float32 and lse.shape == (4, H)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

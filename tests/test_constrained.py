@@ -114,6 +114,48 @@ def test_llguidance_enforces_integer_bounds_and_outlines_refuses_them(backends, 
         backends["outlines"].compile("json_schema", schema)
 
 
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, r"'pattern' with \['maxLength'\] at /"),
+        ({"type": "string", "format": "date", "minLength": 10}, "'format' with a length bound at /"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, "'anyOf' beside"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, r"required \['b'\] not in 'properties' at /"),
+    ],
+    ids=["pattern-and-length", "date-and-length", "anyof-beside-properties", "required-not-a-property"],
+)
+def test_outlines_refuses_schemas_it_would_enforce_only_in_part(backends, schema, message):
+    with pytest.raises(GrammarError, match=message):
+        backends["outlines"].compile("json_schema", json.dumps(schema))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "good", "bad"),
+    [("date", "2024-02-29", "2023-02-29"), ("date", "2022-12-31", "2022-04-31"), ("date-time", "2022-01-01T12:00:00Z", "2022-01-01T12:00:00"), ("time", "08:30:00+05:30", "08:30:00")],
+)
+def test_outlines_enforces_date_and_time_formats_exactly(backends, smol_tokenizer, fmt, good, bad):
+    tok, vocab, ends = smol_tokenizer
+    schema = json.dumps({"type": "string", "format": fmt})
+    assert _walk(backends["outlines"], tok, vocab, ends, "json_schema", schema, json.dumps(good))
+    assert not _walk(backends["outlines"], tok, vocab, ends, "json_schema", schema, json.dumps(bad))
+
+
+def test_outlines_patterns_cannot_leave_the_json_string(backends, smol_tokenizer):
+    tok, vocab, ends = smol_tokenizer
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[^\\s]+$"}}, "required": ["a"], "additionalProperties": False})
+    assert _walk(backends["outlines"], tok, vocab, ends, "json_schema", schema, '{"a":"x1"}')
+    assert not _walk(backends["outlines"], tok, vocab, ends, "json_schema", schema, '{"a":"x","b":"1"}')
+    nul = json.dumps({"type": "string", "pattern": "^/[^\u0000]+$"})
+    assert not _walk(backends["outlines"], tok, vocab, ends, "json_schema", nul, '"/a\\u0000"')
+    with pytest.raises(GrammarError, match="pattern"):
+        backends["outlines"].compile("json_schema", json.dumps({"type": "string", "pattern": "[\\S]+"}))
+
+
+def test_outlines_accepts_annotations_and_typed_enums_beside_keywords(backends):
+    schema = {"type": "object", "$defs": {"c": {"type": "string", "enum": ["red", "blue"], "description": "colour"}}, "properties": {"c": {"$ref": "#/$defs/c", "description": "x"}}, "required": ["c"]}
+    backends["outlines"].compile("json_schema", json.dumps(schema))
+
+
 def test_llguidance_handles_all_of(backends, smol_tokenizer):
     tok, vocab, ends = smol_tokenizer
     schema = json.dumps({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"required": ["b"], "properties": {"b": {"type": "boolean"}}}]})

@@ -11,8 +11,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -21,13 +25,30 @@ constexpr int BLOCK = 32;
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+
+// Ask the cache for the key and value rows of head h at slots[begin:end].
+template <typename T>
+inline void prefetch_rows(const T* k_pool, const T* v_pool, const int64_t* slots, int64_t begin, int64_t end,
+                          int64_t kv_heads, int64_t h, int64_t dim) {
+  for (int64_t j = begin; j < end; ++j) {
+    const char* kp = reinterpret_cast<const char*>(k_pool + (slots[j] * kv_heads + h) * dim);
+    const char* vp = reinterpret_cast<const char*>(v_pool + (slots[j] * kv_heads + h) * dim);
+    for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+      __builtin_prefetch(kp + off);
+      __builtin_prefetch(vp + off);
+    }
+  }
+}
+
 template <typename T>
 void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, const int64_t* table_rows,
-                 const int64_t* starts, const int64_t* lens, float* out, float* lse, int64_t rows, int64_t heads,
-                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale) {
+                 const int64_t* starts, const int64_t* lens, const float* init_out, const float* init_lse, float* out,
+                 float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride,
+                 float scale) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group);
+    std::vector<float> kt(dim * BLOCK, 0.0f);  // lanes past a short last block stay finite
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
@@ -37,18 +58,36 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
+      if (init_out != nullptr) {  // continue from an earlier part (a shared prefix): its output and lse
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = r * heads + h * group + g;
+          if (std::isinf(init_lse[head])) continue;  // no earlier part for this row
+          m[g] = init_lse[head];
+          l[g] = 1.0f;  // the output is normalized: its weights sum to exp(lse - m) = 1
+          std::copy(init_out + head * dim, init_out + (head + 1) * dim, acc.begin() + g * dim);
+        }
+      }
       const int64_t* slots = table + table_rows[r] * table_stride + starts[r];
       const int64_t n = lens[r];
+      prefetch_rows(k_pool, v_pool, slots, 0, std::min<int64_t>(n, BLOCK), kv_heads, h, dim);
       for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, n - j0);
-        for (int64_t j = 0; j < nb; ++j) {
+        // Slots are scattered in the pool, so the hardware prefetcher cannot see ahead: ask for
+        // the next block's key and value rows now, while this block computes.
+        prefetch_rows(k_pool, v_pool, slots, j0 + BLOCK, std::min<int64_t>(n, j0 + 2 * BLOCK), kv_heads, h, dim);
+        for (int64_t j = 0; j < nb; ++j) {  // the block's keys, transposed: kt[d][j]
           const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * dim;
-            float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_float(kr[d]);
-            scores[g * BLOCK + j] = s;
+          for (int64_t d = 0; d < dim; ++d) kt[d * BLOCK + j] = to_float(kr[d]);
+        }
+        for (int64_t g = 0; g < group; ++g) {  // scores along the keys: no horizontal sums
+          const float* qg = qf.data() + g * dim;
+          float* sg = scores.data() + g * BLOCK;
+          std::fill(sg, sg + BLOCK, 0.0f);
+          for (int64_t d = 0; d < dim; ++d) {
+            const float qd = qg[d];
+            const float* kd = kt.data() + d * BLOCK;
+#pragma omp simd
+            for (int64_t j = 0; j < BLOCK; ++j) sg[j] += qd * kd[j];
           }
         }
         for (int64_t g = 0; g < group; ++g) {
@@ -62,21 +101,28 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
             for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
           }
           float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
           for (int64_t j = 0; j < nb; ++j) {
-            const float p = std::exp(sg[j] - new_m);
-            sum += p;
-            const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_float(vr[d]);
+            sg[j] = radixlm::exp_nonpositive(sg[j] - new_m);
+            sum += sg[j];
           }
           l[g] = l[g] * correction + sum;
           m[g] = new_m;
+        }
+        for (int64_t j = 0; j < nb; ++j) {  // each value row read once for the whole group
+          const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * BLOCK + j];
+            float* ag = acc.data() + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_float(vr[d]);
+          }
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         const int64_t head = h * group + g;
         float* dst = out + (r * heads + head) * dim;
-        if (n == 0) {  // nothing to attend to: an empty part, which a merge weighs as zero
+        if (l[g] == 0.0f) {  // nothing to attend to: an empty part, which a merge weighs as zero
           std::fill(dst, dst + dim, 0.0f);
           lse[r * heads + head] = -std::numeric_limits<float>::infinity();
           continue;
@@ -94,10 +140,13 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
 // q [B, H, D]; k_pool, v_pool [N, Hkv, D] (same dtype as q); table [R, S] int64 (the request ->
 // slot table); rows [B] selects each query's table row; starts/lens [B]: the positions of that
 // row to attend to.
+// init_out [B, H, D] and init_lse [B, H] (fp32, optional): an earlier part of each row's attention
+// (lse -inf where a row has none) that the result continues.
 // Returns (out [B, H, D] fp32, lse [B, H] fp32).
 std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                         torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
-                                        torch::Tensor lens, double scale) {
+                                        torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
+                                        c10::optional<torch::Tensor> init_lse) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q must be [B, H, D] and the pool [N, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "q and the pool must share a dtype");
@@ -109,17 +158,21 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
   auto ln = lens.to(torch::kLong).contiguous();
   const int64_t b = qc.size(0), heads = qc.size(1), dim = qc.size(2), kv_heads = k_pool.size(1);
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(init_out.has_value() == init_lse.has_value(), "init_out and init_lse come together");
+  torch::Tensor io, il;
+  if (init_out.has_value()) {
+    io = init_out->to(torch::kFloat).contiguous();
+    il = init_lse->to(torch::kFloat).contiguous();
+    TORCH_CHECK(io.numel() == b * heads * dim && il.numel() == b * heads, "init_out must be [B, H, D] and init_lse [B, H]");
+  }
   auto out = torch::empty({b, heads, dim}, qc.options().dtype(torch::kFloat));
   auto lse = torch::empty({b, heads}, qc.options().dtype(torch::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
     decode_rows<scalar_t>(qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
                           table.data_ptr<int64_t>(), rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(),
-                          ln.data_ptr<int64_t>(), out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads,
+                          ln.data_ptr<int64_t>(), io.defined() ? io.data_ptr<float>() : nullptr,
+                          il.defined() ? il.data_ptr<float>() : nullptr, out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads,
                           dim, table.size(1), static_cast<float>(scale));
   });
   return {out, lse};
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention over slot ranges (CPU)");
 }

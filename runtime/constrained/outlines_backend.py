@@ -31,7 +31,19 @@ ENFORCED = frozenset(
         "minItems", "maxItems",
     }
 )
-FORMATS = frozenset({"date-time", "date", "time", "uuid", "uri", "email"})
+# Formats it enforces well enough; its own "date" accepts Feb 30 and its "date-time" and "time"
+# a missing UTC offset, so those three are rewritten as exact RFC 3339 patterns first.
+FORMATS = frozenset({"uuid", "uri", "email", "date", "date-time", "time"})
+_DAY = (
+    r"(?:\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
+    r"|02-(?:0[1-9]|1\d|2[0-8]))"
+    r"|(?:\d{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)-02-29)"
+)
+_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:(?:[0-5]\d|60)(?:\.\d+)?(?:[Zz]|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+FORMAT_PATTERNS = {"date": _DAY, "time": _TIME, "date-time": f"{_DAY}[Tt]{_TIME}"}
+_LITERALS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+# Keywords that may stand beside a combinator without outlines-core dropping them.
+_BESIDE_COMBINATOR = ANNOTATIONS | {"$defs", "definitions"}
 _MAX_ROLLBACK = 64
 
 
@@ -172,8 +184,11 @@ class OutlinesBackend(GrammarBackend):
             bad.add("format")
         if bad:
             raise unsupported_error(self.name, schema, sorted(bad))
+        dropped = _dropped_combinations(schema)
+        if dropped:
+            raise GrammarError(f"json_schema combines keywords the {self.name} backend would not all enforce: {'; '.join(dropped[:5])}")
         try:
-            return self._oc.json_schema.build_regex_from_schema(json.dumps(schema), self.whitespace_pattern)
+            return self._oc.json_schema.build_regex_from_schema(json.dumps(_formats_as_patterns(schema)), self.whitespace_pattern)
         except Exception as exc:
             raise GrammarError(f"json_schema: {exc}") from None
 
@@ -213,3 +228,103 @@ def _unknown_format(schema) -> bool:
         elif isinstance(node, list):
             stack.extend(node)
     return False
+
+
+def _subschemas(schema, path: str = ""):
+    """Every ``(JSON pointer, subschema dict)`` in a schema, the root first."""
+    if not isinstance(schema, dict):
+        return
+    yield path or "/", schema
+    for key, value in schema.items():
+        sub = f"{path}/{key}"
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            for name, child in value.items():
+                yield from _subschemas(child, f"{sub}/{name}")
+        elif key in ("anyOf", "prefixItems", "items") and isinstance(value, list):
+            for i, child in enumerate(value):
+                yield from _subschemas(child, f"{sub}/{i}")
+        elif key in ("items", "additionalProperties") and isinstance(value, dict):
+            yield from _subschemas(value, sub)
+
+
+def _dropped_combinations(schema) -> list[str]:
+    """Places where outlines-core would keep one keyword and silently drop another beside it."""
+    found = []
+    for path, node in _subschemas(schema):
+        if "pattern" in node and ({"minLength", "maxLength", "format"} & node.keys()):
+            found.append(f"'pattern' with {sorted({'minLength', 'maxLength', 'format'} & node.keys())} at {path}")
+        if "format" in node and ({"minLength", "maxLength"} & node.keys()):
+            found.append(f"'format' with a length bound at {path}")
+        for combinator in ("anyOf", "$ref", "enum", "const"):
+            if combinator in node:
+                extra = sorted(k for k in node if k != combinator and k not in _BESIDE_COMBINATOR and not (combinator in ("enum", "const") and k == "type"))
+                if extra:
+                    found.append(f"'{combinator}' beside {extra} at {path}")
+                break
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [name for name in node.get("required", []) if isinstance(name, str) and name not in props]
+        if missing:
+            found.append(f"required {missing} not in 'properties' at {path}")
+    return found
+
+
+def _formats_as_patterns(schema):
+    """A copy of the schema with date and time formats as exact patterns, every pattern confined."""
+    if isinstance(schema, list):
+        return [_formats_as_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: value if key in _LITERALS else _formats_as_patterns(value) for key, value in schema.items()}
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "string" in types and isinstance(out.get("format"), str) and out["format"] in FORMAT_PATTERNS:
+        out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
+    elif isinstance(out.get("pattern"), str):
+        out["pattern"] = confine_pattern(out["pattern"])
+    return out
+
+
+_PLAIN = '"\\\\\\x00-\\x1f'  # what a JSON string holds only escaped: quote, backslash, controls
+_NEGATED = {".": f"[^{_PLAIN}]", "S": f"[^\\s{_PLAIN}]", "W": f"[^\\w{_PLAIN}]", "D": f"[^0-9{_PLAIN}]"}
+
+
+def confine_pattern(pattern: str) -> str:
+    """The pattern, matching only unescaped JSON string characters where it matched "anything but".
+
+    outlines-core pastes a pattern between the string's quotes as it is, so ``.``, ``\\S`` or
+    ``[^a]`` would also match a quote (ending the string early) or escape text (``\\u0000``
+    passing ``[^\\x00]``). Rewritten, they match no quote, backslash or control character;
+    strings needing those under such a pattern cannot be generated (fail closed).
+    """
+    if '"' in pattern:
+        raise GrammarError(f"json_schema pattern {pattern!r} mentions a quote, which the outlines backend cannot confine to the string")
+    out: list[str] = []
+    i, in_class, negated = 0, False, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt in "SWD" and in_class:
+                raise GrammarError(f"json_schema pattern {pattern!r}: a class with \\{nxt} cannot be confined to the string by the outlines backend")
+            out.append(_NEGATED[nxt] if nxt in "SWD" else c + nxt)
+            i += 2
+            continue
+        if in_class:
+            if c == "]":
+                out.append(_PLAIN + "]" if negated else "]")
+                in_class = False
+            else:
+                out.append(c)
+        elif c == "[":
+            in_class, negated = True, pattern[i + 1 : i + 2] == "^"
+            out.append("[^" if negated else "[")
+            i += 2 if negated else 1
+            if pattern[i : i + 1] == "]":  # a leading ']' is a literal
+                out.append("]")
+                i += 1
+            continue
+        elif c == ".":
+            out.append(_NEGATED["."])
+        else:
+            out.append(c)
+        i += 1
+    return "".join(out)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
@@ -30,7 +31,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dimension of ``x`` and scale it."""
+        ext = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 else None
+        if ext is not None:
+            return ext.add_rms_norm(x, None, self.weight, self.eps)[1]
         return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + residual`` and its normalized form (one pass on CPUs)."""
+        ext = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 else None
+        if ext is not None:
+            total, normed = ext.add_rms_norm(x, residual, self.weight, self.eps)
+            return total, normed
+        total = x + residual
+        return total, self(total)
 
 
 class LlamaAttention(nn.Module):
@@ -67,7 +80,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, projected back to the hidden size."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ext = cpu_kernels() if gate_up.device.type == "cpu" and gate_up.dim() == 2 else None
+        if ext is not None:
+            return self.down_proj(ext.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -81,10 +98,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """One transformer block."""
-        x = x + self.self_attn(rope, self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One transformer block on the previous block's output and the residual stream (None
+        for the first block); returns this block's output and the residual stream before it.
+
+        Each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_forward(x, residual)
+        residual, h = self.post_attention_layernorm.add_forward(self.self_attn(rope, h, batch), residual)
+        return self.mlp(h), residual
 
 
 # Hugging Face parameter names → (our parameter, shard index within a fused parameter).
@@ -115,9 +141,10 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states ``[T, hidden]`` of the batch's new tokens."""
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.table(batch.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, batch)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, batch)
+        return self.norm.add_forward(x, residual)[1] if residual is not None else self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for the given hidden states."""

@@ -101,4 +101,4 @@ def quantize_model(model: nn.Module, mode: str) -> None:
     if getattr(model, "lm_head", None) is None:  # tied: the head is a quantized copy of the embedding
         head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
         head.weight = model.embed_tokens.weight
-        model.lm_head = Int8Linear(head) if mode == "int8" else Int4Linear(head)
+        model.lm_head = make(head)

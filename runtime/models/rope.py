@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from radixlm.kernels.cpu_ext import cpu_kernels
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, after the configured scaling."""
@@ -65,6 +67,10 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` with a ``RotaryEmbedding.table``."""
     cos, sin = rope
+    ext = cpu_kernels() if q.device.type == "cpu" else None
+    if ext is not None:
+        cos2, sin2 = cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
+        return ext.rope(q, cos2, sin2), ext.rope(k, cos2, sin2)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
