@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from workloads import few_shot_prompts  # noqa: E402
 
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
+import radixlm.runtime.models.llama as llama  # noqa: E402
+import radixlm.runtime.models.rope as rope  # noqa: E402
 from radixlm.runtime.engine import build_runtime  # noqa: E402
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear  # noqa: E402
 from radixlm.runtime.request import Req  # noqa: E402
@@ -101,16 +103,17 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-cascade", action="store_true", help="Disable the shared-prefix decode attention (the 'before' path).")
-    ap.add_argument("--no-cpp-kernel", action="store_true", help="Gather K/V and use PyTorch's attention instead of the C++ paged kernel.")
+    ap.add_argument("--no-cpp-kernel", action="store_true", help="Use the PyTorch code instead of the C++ CPU kernels (attention, norms, SiLU, RoPE).")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.no_cascade:
         torch_decode.MIN_SHARED_PREFIX = 1 << 30
     if args.no_cpp_kernel:
-        torch_decode.cpu_kernels = lambda: None
+        for module in (torch_decode, llama, rope):
+            module.cpu_kernels = lambda: None
     rows = {b: profile(b, args.steps, args) for b in args.batch}
     keys = ["matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
-    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernel {'off' if args.no_cpp_kernel else 'on'}, {torch.get_num_threads()} threads"
+    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernels {'off' if args.no_cpp_kernel else 'on'}, {torch.get_num_threads()} threads"
     lines = [f"Decode step breakdown ({label}); ms per step (share of the step).", "", "| batch | step (ms) | output tok/s | " + " | ".join(keys) + " |", "|---:|---:|---:|" + "---:|" * len(keys)]
     for b, r in rows.items():
         cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]
