@@ -54,6 +54,7 @@ class Recorder:
         self.cached = 0
         self.cache_reported = False
         self.ttfts: list[float] = []
+        self.gaps: list[float] = []  # between successive content chunks of a stream
 
     async def completion(self, client: openai.AsyncOpenAI, extra: dict, **kw) -> str:
         """A streamed completion; returns its text."""
@@ -66,6 +67,7 @@ class Recorder:
     async def _stream(self, create, extra: dict, piece, **kw) -> str:
         start = time.perf_counter()
         first = None
+        last = start
         text = []
         usage = None
         stream = await create(model=MODEL, stream=True, stream_options={"include_usage": True}, temperature=0, extra_body=extra or None, **kw)
@@ -73,8 +75,12 @@ class Recorder:
             p = piece(chunk)
             if p:
                 text.append(p)
+                now = time.perf_counter()
                 if first is None:
-                    first = time.perf_counter() - start
+                    first = now - start
+                else:
+                    self.gaps.append(now - last)
+                last = now
             if getattr(chunk, "usage", None):
                 usage = chunk.usage
         if usage is not None:
@@ -151,6 +157,8 @@ async def run_workload(server: servers.Launched, fn) -> dict:
         "tokens": rec.tokens,
         "wall": wall,
         "ttft_p50": statistics.median(rec.ttfts),
+        "ttft_p90": statistics.quantiles(rec.ttfts, n=10)[-1] if len(rec.ttfts) > 1 else rec.ttfts[0],
+        "itl_p50": statistics.median(rec.gaps) if rec.gaps else None,
         "hit_rate": rec.cached / rec.prompt if rec.cache_reported and rec.prompt else None,
     }
 
@@ -168,6 +176,14 @@ def report(results: dict, systems: list[servers.Launched], args: argparse.Namesp
             cells += [f"{best[n]['tok_s']:.1f}", f"{best[n]['ttft_p50']:.2f}"]
         ratios = [f"{best['radixlm']['tok_s'] / best[n]['tok_s']:.2f}x" for n in names if n != "radixlm"]
         lines.append(f"| {w} | " + " | ".join(cells + ratios) + " |")
+    lines += ["", "Every figure of the best round (ITL: inter-token latency, the gap between successive streamed chunks; hit rate: cached / prompt tokens, where the server reports it):", ""]
+    lines += ["| workload | system | output tok/s | TTFT p50 (s) | TTFT p90 (s) | ITL p50 (ms) | total time (s) | output tokens | cache hit rate |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for w in WORKLOADS:
+        for n in names:
+            r = max(results[w][n], key=lambda r: r["tok_s"])
+            itl = f"{1e3 * r['itl_p50']:.1f}" if r.get("itl_p50") is not None else "n/a"
+            hit = f"{r['hit_rate']:.3f}" if r["hit_rate"] is not None else "n/a"
+            lines.append(f"| {w} | {n} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} | {itl} | {r['wall']:.1f} | {r['tokens']} | {hit} |")
     lines += ["", "Cache hit rate (cached / prompt tokens, where the server reports it):", ""]
     for w in WORKLOADS:
         parts = []
