@@ -147,6 +147,9 @@ def test_outlines_patterns_cannot_leave_the_json_string(backends, smol_tokenizer
     assert not _walk(backends["outlines"], tok, vocab, ends, "json_schema", schema, '{"a":"x","b":"1"}')
     nul = json.dumps({"type": "string", "pattern": "^/[^\u0000]+$"})
     assert not _walk(backends["outlines"], tok, vocab, ends, "json_schema", nul, '"/a\\u0000"')
+    words = json.dumps({"type": "string", "pattern": "^\\w+\\s\\w+$"})
+    assert _walk(backends["outlines"], tok, vocab, ends, "json_schema", words, '"ab cd"')
+    assert not _walk(backends["outlines"], tok, vocab, ends, "json_schema", words, '"ab\ncd"')  # a raw newline is not JSON
     with pytest.raises(GrammarError, match="pattern"):
         backends["outlines"].compile("json_schema", json.dumps({"type": "string", "pattern": "[\\S]+"}))
 

@@ -188,7 +188,7 @@ class OutlinesBackend(GrammarBackend):
         if dropped:
             raise GrammarError(f"json_schema combines keywords the {self.name} backend would not all enforce: {'; '.join(dropped[:5])}")
         try:
-            return self._oc.json_schema.build_regex_from_schema(json.dumps(_formats_as_patterns(schema)), self.whitespace_pattern)
+            return self._oc.json_schema.build_regex_from_schema(json.dumps(_prepared(schema)), self.whitespace_pattern)
         except Exception as exc:
             raise GrammarError(f"json_schema: {exc}") from None
 
@@ -268,13 +268,14 @@ def _dropped_combinations(schema) -> list[str]:
     return found
 
 
-def _formats_as_patterns(schema):
-    """A copy of the schema with date and time formats as exact patterns, every pattern confined."""
+def _prepared(schema):
+    """A copy of the schema as outlines-core should see it: date and time formats as exact
+    patterns, every pattern confined to the JSON string (see ``confine_pattern``)."""
     if isinstance(schema, list):
-        return [_formats_as_patterns(item) for item in schema]
+        return [_prepared(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: value if key in _LITERALS else _formats_as_patterns(value) for key, value in schema.items()}
+    out = {key: value if key in _LITERALS else _prepared(value) for key, value in schema.items()}
     types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     if "string" in types and isinstance(out.get("format"), str) and out["format"] in FORMAT_PATTERNS:
         out["pattern"] = FORMAT_PATTERNS[out.pop("format")]
@@ -292,8 +293,9 @@ def confine_pattern(pattern: str) -> str:
 
     outlines-core pastes a pattern between the string's quotes as it is, so ``.``, ``\\S`` or
     ``[^a]`` would also match a quote (ending the string early) or escape text (``\\u0000``
-    passing ``[^\\x00]``). Rewritten, they match no quote, backslash or control character;
-    strings needing those under such a pattern cannot be generated (fail closed).
+    passing ``[^\\x00]``), and ``\\s`` a raw newline. Rewritten, they match no quote, backslash
+    or control character (``\\s`` only a space); strings needing those under such a pattern cannot
+    be generated (fail closed).
     """
     if '"' in pattern:
         raise GrammarError(f"json_schema pattern {pattern!r} mentions a quote, which the outlines backend cannot confine to the string")
@@ -303,9 +305,14 @@ def confine_pattern(pattern: str) -> str:
         c = pattern[i]
         if c == "\\" and i + 1 < len(pattern):
             nxt = pattern[i + 1]
-            if nxt in "SWD" and in_class:
-                raise GrammarError(f"json_schema pattern {pattern!r}: a class with \\{nxt} cannot be confined to the string by the outlines backend")
-            out.append(_NEGATED[nxt] if nxt in "SWD" else c + nxt)
+            if nxt in "SWD":
+                if in_class:
+                    raise GrammarError(f"json_schema pattern {pattern!r}: a class with \\{nxt} cannot be confined to the string by the outlines backend")
+                out.append(_NEGATED[nxt])
+            elif nxt == "s" and not (in_class and negated):  # raw tabs and newlines are not JSON: a space
+                out.append(" " if in_class else "[ ]")
+            else:
+                out.append(c + nxt)
             i += 2
             continue
         if in_class:
