@@ -15,9 +15,13 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import emit  # noqa: E402
 
 from radixlm.runtime.engine import build_runtime
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear
@@ -108,11 +112,7 @@ def main() -> None:
     ]
     for fmt, nbytes, bw, bound, ms in rows:
         lines.append(f"| {fmt} | {nbytes / 1e6:.1f} | {bw / 1e9:.1f} | {bound:.2f} | {ms:.2f} | {1e3 / ms:.1f} | {100 * bound / ms:.0f}% |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(f"Command: `{' '.join(sys.argv)}`\n\n{text}\n")
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report import emit  # noqa: E402
 from workloads import few_shot_prompts  # noqa: E402
 
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
@@ -118,11 +119,7 @@ def main() -> None:
     for b, r in rows.items():
         cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]
         lines.append(f"| {b} | {1e3 * r['step']:.1f} | {b / r['step']:.1f} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(f"Command: `{' '.join(sys.argv)}`\n\n{text}\n")
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":
