@@ -69,7 +69,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, tor
     cos, sin = rope
     ext = cpu_kernels() if q.device.type == "cpu" else None
     if ext is not None:
-        cos2, sin2 = cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1)
+        cos2, sin2 = cos.reshape(cos.shape[0], cos.shape[-1]), sin.reshape(sin.shape[0], sin.shape[-1])
         return ext.rope(q, cos2, sin2), ext.rope(k, cos2, sin2)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
