@@ -14,6 +14,7 @@ log-sum-exp::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -38,14 +39,27 @@ class SharedPrefix:
 class DecodePlan:
     """Per-step index tensors of the decode rows, reused by every layer."""
 
-    suffix_index: torch.Tensor  # [B, S] slots after each row's shared prefix, padded
-    suffix_mask: torch.Tensor  # [B, 1, 1, S] bool
     groups: list[SharedPrefix]
     table: torch.Tensor  # the request -> slot table
     rows: torch.Tensor  # [B] its rows
+    row_table: torch.Tensor  # [B, Lmax] those rows of the table
     prefix_len: torch.Tensor  # [B] positions covered by a shared prefix
     suffix_len: torch.Tensor  # [B] positions after it
     _bias: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def suffix_mask(self) -> torch.Tensor:
+        """``[B, 1, 1, S]`` bool: which padded suffix positions are real (the PyTorch path's)."""
+        offsets = torch.arange(int(self.suffix_len.max()), device=self.suffix_len.device)
+        return (offsets[None, :] < self.suffix_len[:, None])[:, None, None, :]
+
+    @functools.cached_property
+    def suffix_index(self) -> torch.Tensor:
+        """``[B, S]`` slots after each row's shared prefix, padded (the PyTorch path gathers them)."""
+        valid = self.suffix_mask[:, 0, 0, :]
+        offsets = torch.arange(valid.shape[1], device=valid.device)
+        positions = (self.prefix_len[:, None] + offsets[None, :]).clamp(max=self.row_table.shape[1] - 1)
+        return self.row_table.gather(1, positions).masked_fill(~valid, PAD_SLOT)
 
     def suffix_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The suffix mask as an additive bias (0 / -inf) in ``dtype``, built once per step."""
@@ -56,11 +70,10 @@ class DecodePlan:
 
 
 def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_shared: int | None = None) -> DecodePlan:
-    """Find shared prefixes among the rows and index what is left of each row."""
+    """Find shared prefixes among the rows; what is left of each row is indexed on demand."""
     min_shared = MIN_SHARED_PREFIX if min_shared is None else min_shared
     device = req_to_token.device
-    lmax = max(seq_lens)
-    table = req_to_token.index_select(0, rows)[:, :lmax]
+    table = req_to_token.index_select(0, rows)[:, : max(seq_lens)]
     seq = torch.tensor(seq_lens, dtype=torch.int64, device=device)
     prefix_len = torch.zeros(len(seq_lens), dtype=torch.int64, device=device)
     groups: list[SharedPrefix] = []
@@ -80,13 +93,7 @@ def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[i
             contiguous = bool((slots[1:] - slots[:-1] == 1).all())
             groups.append(SharedPrefix(idx, slots, int(slots[0]) if contiguous else None, length))
             prefix_len[idx] = length
-    suffix_len = seq - prefix_len
-    smax = int(suffix_len.max())
-    offsets = torch.arange(smax, device=device)
-    valid = offsets[None, :] < suffix_len[:, None]
-    positions = (prefix_len[:, None] + offsets[None, :]).clamp(max=lmax - 1)
-    suffix_index = table.gather(1, positions).masked_fill(~valid, PAD_SLOT)
-    return DecodePlan(suffix_index, valid[:, None, None, :], groups, req_to_token, rows, prefix_len, suffix_len)
+    return DecodePlan(groups, req_to_token, rows, table, prefix_len, seq - prefix_len)
 
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -117,7 +124,8 @@ def _prefix_parts(qd: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
         else:
             kp, vp = k_pool.index_select(0, g.slots), v_pool.index_select(0, g.slots)
         n = len(g.rows)
-        qg = qd.index_select(0, g.rows).permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
+        rows_q = qd if n == qd.shape[0] else qd.index_select(0, g.rows)  # rows are sorted and distinct
+        qg = rows_q.permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
         o2, lse2 = _partial(qg, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale)  # [1, Hkv, n*G, ...]
         yield g.rows, o2.view(num_kv, n, group, head_dim).transpose(0, 1), lse2.view(num_kv, n, group, 1).transpose(0, 1)
 

@@ -11,9 +11,10 @@ from typing import Any
 from radixlm.lang import ir
 from radixlm.lang.errors import ProgramError, caller_site
 from radixlm.lang.interpreter import StreamExecutor, wait_text
+from radixlm.lang.roles import RoleMethods
 
 
-class ProgramState:
+class ProgramState(RoleMethods):
     """The state of a running program: its text, chat messages and named variables."""
 
     def __init__(self, executor: StreamExecutor, body: threading.Thread | None = None) -> None:
@@ -30,18 +31,6 @@ class ProgramState:
     def __iadd__(self, other: Any) -> ProgramState:
         self._ex.submit(other, caller_site())
         return self
-
-    def system(self, expr: Any = None) -> Any:
-        """Append a system message, or with no argument a ``with s.system():`` block."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        """Append a user message, or with no argument a ``with s.user():`` block."""
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        """Append an assistant message, or with no argument a ``with s.assistant():`` block."""
-        return self._role("assistant", expr)
 
     def _role(self, role: str, expr: Any) -> Any:
         site = caller_site()

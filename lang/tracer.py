@@ -16,6 +16,7 @@ from typing import Any
 
 from radixlm.lang import ir
 from radixlm.lang.errors import StopTracing
+from radixlm.lang.roles import RoleMethods
 from radixlm.lang.transcript import Transcript
 
 
@@ -48,7 +49,7 @@ class Argument(ir.Expr):
         return f"Argument({object.__getattribute__(self, '_name')!r})"
 
 
-class TracingState:
+class TracingState(RoleMethods):
     """Stands in for ProgramState while tracing; records constant text and role markers only."""
 
     def __init__(self, template: Callable[[], Any]) -> None:
@@ -87,18 +88,6 @@ class TracingState:
         self._begin(role)
         yield
         self._t.end_role(role)
-
-    def system(self, expr: Any = None) -> Any:
-        """Trace a system message."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        """Trace a user message."""
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        """Trace an assistant message."""
-        return self._role("assistant", expr)
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator[None]:

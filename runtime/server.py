@@ -88,6 +88,16 @@ class ServerState:
         self.in_flight -= count
 
 
+async def json_object(request: Request) -> dict[str, Any]:
+    """The request's JSON body; an empty object when it is JSON but not an object (fields then fail
+    their own checks); a 400 when it is not JSON."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise APIError(400, "malformed JSON body") from None
+    return body if isinstance(body, dict) else {}
+
+
 async def wait_final(state: ServerState, request: Request, started: list[tuple[Any, asyncio.Queue]]) -> list[ReqOutput]:
     """Wait for every request's final output; a client disconnect aborts them all."""
 
@@ -212,11 +222,8 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "malformed JSON body") from None
-        rid = body.get("rid") if isinstance(body, dict) else None
+        body = await json_object(request)
+        rid = body.get("rid")
         if not isinstance(rid, str):
             raise APIError(400, "rid must be a string", param="rid")
         return {"rid": rid, "aborted": await asyncio.to_thread(engine.abort, rid)}
@@ -224,11 +231,8 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
     @app.post("/apply_chat_template")
     async def chat_template(request: Request) -> dict[str, Any]:
         """Render messages with the model's chat template (the frontend language uses this)."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "malformed JSON body") from None
-        messages = body.get("messages") if isinstance(body, dict) else None
+        body = await json_object(request)
+        messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise APIError(400, "messages must be a list of {role, content} objects", param="messages")
         try:
@@ -240,11 +244,8 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         """SGLang's ``/tokenize``: token ids of one prompt or a list (the frontend's select uses it)."""
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "malformed JSON body") from None
-        prompt = body.get("prompt") if isinstance(body, dict) else None
+        body = await json_object(request)
+        prompt = body.get("prompt")
         batch = isinstance(prompt, list)
         if not (isinstance(prompt, str) or (batch and all(isinstance(p, str) for p in prompt))):
             raise APIError(400, "prompt must be a string or a list of strings", param="prompt")

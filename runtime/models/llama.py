@@ -41,9 +41,10 @@ class RMSNorm(nn.Module):
         ext = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 else None
         if ext is not None:
             total, normed = ext.add_rms_norm(x, residual, self.weight, self.eps)
-            return total, normed
-        total = x + residual
-        return total, self(total)
+        else:
+            total = x + residual
+            normed = self(total)
+        return total, normed
 
 
 class LlamaAttention(nn.Module):
