@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
 
-from radixlm.runtime.engine import build_runtime
+from radixlm.runtime.engine import build_parts
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling_params import SamplingParams
@@ -97,7 +97,7 @@ def main() -> None:
     for fmt in args.formats:
         quant = fmt if fmt.startswith("int") else None
         dtype = "bfloat16" if fmt == "bf16" else "float32"
-        rt = build_runtime(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096))
+        rt = build_parts(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096))
         nbytes = weight_bytes_per_token(rt.runner.model)
         ms = decode_ms_per_token(rt, args.new_tokens)
         bw = read_bandwidth()  # measured next to each format, under the same conditions

@@ -27,7 +27,7 @@ from workloads import few_shot_prompts  # noqa: E402
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
 import radixlm.runtime.models.llama as llama  # noqa: E402
 import radixlm.runtime.models.rope as rope  # noqa: E402
-from radixlm.runtime.engine import build_runtime  # noqa: E402
+from radixlm.runtime.engine import build_parts  # noqa: E402
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear  # noqa: E402
 from radixlm.runtime.request import Req  # noqa: E402
 from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
@@ -68,7 +68,7 @@ def instrument(rt, clock: Clock) -> None:
 
 
 def profile(batch: int, steps: int, args: argparse.Namespace) -> dict[str, float]:
-    rt = build_runtime(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization, dtype=args.dtype))
+    rt = build_parts(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization, dtype=args.dtype))
     tok = rt.tokenizer
     for i, p in enumerate(few_shot_prompts(batch)):
         rt.scheduler.add(Req(rid=str(i), input_ids=tok(p).input_ids, params=SamplingParams(max_new_tokens=steps + 64, temperature=0, ignore_eos=True), sink=lambda out: None))

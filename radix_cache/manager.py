@@ -9,7 +9,8 @@ A running request's slot-table row is split in three (``P`` = page size)::
 
 ``cached_len`` and ``alloc_len`` are whole pages. Every slot is at any time exactly one of: free in
 the allocator, held by the tree, or owned by one running request (``alloc_len - cached_len`` of
-them); ``check_accounting`` verifies that.
+them); ``check_accounting`` verifies that. Only this class changes these three lengths: the
+scheduler and decoder ask it to (``reserve``, ``mark_computed``, ``truncate``, ``release``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class KVManager:
         """Slots obtainable now: free plus evictable."""
         return self.allocator.available_slots() + self.tree.evictable_size()
 
+    def headroom(self, state: KVState, new_len: int) -> int:
+        """Positions below ``new_len`` that have no slot reserved yet."""
+        return max(new_len - state.alloc_len, 0)
+
     def pages_for(self, state: KVState | None, new_len: int) -> int:
         """Slots (whole pages) needed to grow a row from its ``alloc_len`` to ``new_len`` tokens."""
         have = state.alloc_len if state is not None else 0
@@ -86,16 +91,31 @@ class KVManager:
         return KVState(row=row, last_node=last_node, cached_len=n, kv_len=n, alloc_len=n)
 
     def reserve(self, state: KVState, new_len: int) -> bool:
-        """Make sure positions ``< new_len`` have slots; False (nothing changed) when short."""
+        """Make sure positions ``< new_len`` have slots; False (nothing changed) when short.
+
+        All or nothing: raises ValueError (holding nothing new) past the slot table's width.
+        """
         need = self.pages_for(state, new_len)
         if need == 0:
             return True
+        if state.alloc_len + need > self.table.max_context_len:
+            raise ValueError(f"{new_len} positions do not fit a slot-table row of {self.table.max_context_len}")
         slots = self._alloc(need)
         if slots is None:
             return False
         self.table.write(state.row, state.alloc_len, slots)
         state.alloc_len += need
         return True
+
+    def mark_computed(self, state: KVState, end: int) -> None:
+        """Record that positions ``< end`` now hold computed KV."""
+        if end > state.alloc_len:
+            raise ValueError(f"position {end} has no reserved slot (alloc_len {state.alloc_len})")
+        state.kv_len = end
+
+    def truncate(self, state: KVState, length: int) -> None:
+        """Forget computed KV from position ``length`` on (rejected drafts); slots stay reserved."""
+        state.kv_len = max(min(state.kv_len, length), state.cached_len)
 
     def slots(self, state: KVState, start: int, end: int) -> torch.Tensor:
         """The slots of positions ``start .. end`` of a request."""
@@ -107,7 +127,8 @@ class KVManager:
         The tree adopts the page-aligned part; slots it already had are freed and the request's
         row is pointed at the tree's copies; the lock moves to the new end of the path.
         """
-        aligned = state.kv_len - state.kv_len % self.page_size
+        computed = min(state.kv_len, len(tokens))  # never more than the tokens we can name
+        aligned = computed - computed % self.page_size
         if aligned <= state.cached_len or self.tree.disable:
             return
         row_slots = self.table.read(state.row, 0, aligned)
@@ -122,7 +143,10 @@ class KVManager:
         state.cached_len = len(result.slots)
 
     def release(self, state: KVState, tokens: Sequence[int] | None) -> None:
-        """Free a request's KV: with ``tokens``, first hand its computed KV to the tree."""
+        """Free a request's KV: with ``tokens``, first hand its computed KV to the tree.
+
+        A request that failed passes ``tokens=None``: its KV may be wrong and is never cached.
+        """
         if tokens is not None:
             self.cache_prefix(state, tokens)
         if state.alloc_len > state.cached_len:
@@ -136,17 +160,26 @@ class KVManager:
         self.tree.clear()
 
     # ------------------------------------------------------------ accounting
-    def check_accounting(self, states: Iterable[KVState]) -> None:
-        """Assert free + tree + running-owned slots equals the pool, with no slot counted twice."""
-        self.tree.check_integrity()
-        free_pages = self.allocator.free_page_ids()
-        held = [self.table.read(s.row, s.cached_len, s.alloc_len) for s in states]
-        owned = sum(len(h) for h in held)
+    def check_accounting(self, states: Iterable[KVState], full: bool = True) -> None:
+        """Assert free + tree + running-owned slots equals the pool, with no slot counted twice.
+
+        ``full=False`` checks the counts and each request's lengths only (cheap: once per step).
+        """
+        states = list(states)
+        for s in states:
+            assert s.cached_len <= s.kv_len <= s.alloc_len <= self.table.max_context_len, f"bad KV lengths {s}"
+            assert s.cached_len % self.page_size == 0 and s.alloc_len % self.page_size == 0, f"unaligned KV lengths {s}"
+        owned = sum(s.owned for s in states)
         total = self.allocator.num_slots
-        free = len(free_pages) * self.page_size
+        free = self.allocator.available_slots()
         in_tree = self.tree.total_size()
         assert free + in_tree + owned == total, (
             f"KV slots leaked: free {free} + tree {in_tree} + running {owned} != total {total}"
         )
+        if not full:
+            return
+        self.tree.check_integrity()
+        free_pages = self.allocator.free_page_ids()
+        held = [self.table.read(s.row, s.cached_len, s.alloc_len) for s in states]
         everything = torch.cat([self.allocator.page_slots(free_pages), self.tree.all_slots(), *held])
         assert len(torch.unique(everything)) == total, "a KV slot is counted twice"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from radixlm.runtime.server_args import ServerArgs
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     _generate_parser(sub)
     _serve_parser(sub)
     ns = parser.parse_args(argv)
+    # The library never configures logging; the command line does, for its own process.
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if ns.command == "generate":
             code = run_generate(ns)

@@ -10,10 +10,15 @@ picks a token at every draft position under the grammar mask, exactly as plain d
 and a draft survives only if it is what was picked (speculative acceptance for sampled rows).
 Greedy output is therefore identical with and without jump-forward; each pass still yields one
 token at least, and one per accepted draft more.
+
+Every per-request step (prompt logprobs, grammar mask, sampling, verification, appending) runs
+under its own guard: a request whose step raises, or whose logits are not finite, is returned as
+failed (``FinishReason.failure``) and the others carry on.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -21,11 +26,14 @@ import torch
 
 from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
 from radixlm.runtime.constrained.jump_forward import draft_tokens
+from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req
 from radixlm.runtime.sampler import SamplingRow, accept_draft, prompt_logprobs, sample
-from radixlm.runtime.schedule_batch import LogitSpans
+from radixlm.runtime.schedule_batch import LogitSpans, Row
 from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,7 +56,8 @@ class _Picked:
 class Decoder:
     """Picks tokens from logits and applies them to requests (no KV bookkeeping)."""
 
-    def __init__(self, args: ServerArgs, tokenizer, outputs: OutputBuilder, end_ids: set[int], vocab_size: int, context_len: int, device: torch.device) -> None:
+    def __init__(self, args: ServerArgs, tokenizer, outputs: OutputBuilder, end_ids: set[int], vocab_size: int, context_len: int, device: torch.device, faults: FaultInjector | None = None) -> None:
+        self.faults = faults
         self.args = args
         self.tokenizer = tokenizer
         self.outputs = outputs
@@ -60,33 +69,100 @@ class Decoder:
 
     # ------------------------------------------------------------ the step
     def process(self, logits: torch.Tensor, spans: LogitSpans) -> list[tuple[Req, FinishReason]]:
-        """Consume the logits of one pass; returns the requests that finished and why."""
+        """Consume the logits of one pass; returns the requests that finished (or failed) and why."""
+        failed: dict[Req, str] = {}
+        self._check_finite(logits, spans, failed)
         for row, first, pos, count in spans.prompt:
             req = row.req
-            values, tops = prompt_logprobs(logits[first : first + count], req.input_ids[pos + 1 : pos + 1 + count], req.top_logprobs_num)
-            req.input_logprobs.extend(values)
-            req.input_top_logprobs.extend(tops or [None] * count)
-        plain = [(row, first) for row, first, count in spans.picks if count == 1]
-        picked: list[_Picked] = []
-        if plain:
-            reqs = [row.req for row, _ in plain]
-            rows_logits = logits.index_select(0, torch.tensor([f for _, f in plain], device=logits.device))
-            res = sample(rows_logits, [self._sampling_row(r, r.output_ids) for r in reqs], self.generator, self._grammar_mask(reqs))
-            for r, t, lp, top in zip(reqs, res.token_ids, res.logprobs, res.top_logprobs):
-                pick = _Picked(r)
-                if self._grammar_takes(r, t, pick):
-                    pick.add(t, lp, top)
-                picked.append(pick)
+            if req in failed:
+                continue
+            try:
+                values, tops = prompt_logprobs(logits[first : first + count], req.input_ids[pos + 1 : pos + 1 + count], req.top_logprobs_num)
+                req.input_logprobs.extend(values)
+                req.input_top_logprobs.extend(tops or [None] * count)
+            except Exception as exc:
+                self._fail(req, failed, "computing prompt logprobs", exc)
+        plain = [(row.req, first) for row, first, count in spans.picks if count == 1 and row.req not in failed]
+        picked = self._pick_plain(logits, plain, failed)
         for row, first, count in spans.picks:
-            if count > 1:
-                picked.append(self._verify(row.req, logits[first : first + count]))
+            if count > 1 and row.req not in failed:
+                try:
+                    picked.append(self._verify(row.req, logits[first : first + count]))
+                except Exception as exc:
+                    self._fail(row.req, failed, "verifying drafts", exc)
         finished = []
         now = time.monotonic()
         for pick in picked:
-            reason = self._append(pick, now)
+            try:
+                reason = self._append(pick, now)
+            except Exception as exc:
+                self._fail(pick.req, failed, "building the output", exc)
+                continue
             if reason is not None:
                 finished.append((pick.req, reason))
+        finished += [(req, FinishReason.failure(message)) for req, message in failed.items()]
         return finished
+
+    @staticmethod
+    def _fail(req: Req, failed: dict[Req, str], what: str, exc: Exception) -> None:
+        logger.exception("request %s failed while %s", req.rid, what)
+        failed.setdefault(req, f"{what} failed: {exc}")
+
+    def _check_finite(self, logits: torch.Tensor, spans: LogitSpans, failed: dict[Req, str]) -> None:
+        """Fail each request with a NaN or infinite logit: its KV must never reach the cache."""
+        ranges = [(row.req, first, count) for row, first, _, count in spans.prompt] + list(spans.picks)
+        ranges = [(row.req if isinstance(row, Row) else row, first, count) for row, first, count in ranges]
+        if self.faults is not None:
+            self.faults.poison(logits, [(req.rid, first, count) for req, first, count in ranges])
+        finite = torch.isfinite(logits).all(dim=-1)
+        if bool(finite.all()):
+            return
+        finite = finite.tolist()
+        for req, first, count in ranges:
+            if not all(finite[first : first + count]):
+                logger.error("request %s produced non-finite logits", req.rid)
+                failed.setdefault(req, "the model produced non-finite logits (NaN or inf) for this request")
+
+    def _pick_plain(self, logits: torch.Tensor, plain: list[tuple[Req, int]], failed: dict[Req, str]) -> list[_Picked]:
+        """Sample one token for each plain row: batched, or row by row when the batch raises."""
+        masks: dict[Req, torch.Tensor | None] = {}
+        for req, _ in plain:
+            try:
+                masks[req] = self._grammar_row_mask(req)
+            except Exception as exc:
+                self._fail(req, failed, "computing the grammar mask", exc)
+        plain = [(req, first) for req, first in plain if req not in failed]
+        if not plain:
+            return []
+        try:
+            res = self._sample(logits, plain, masks)
+            results = list(zip([r for r, _ in plain], res.token_ids, res.logprobs, res.top_logprobs))
+        except Exception:
+            results = []
+            for req, first in plain:
+                try:
+                    one = self._sample(logits, [(req, first)], masks)
+                    results.append((req, one.token_ids[0], one.logprobs[0], one.top_logprobs[0]))
+                except Exception as exc:
+                    self._fail(req, failed, "sampling", exc)
+        picked = []
+        for r, t, lp, top in results:
+            pick = _Picked(r)
+            if self._grammar_takes(r, t, pick):
+                pick.add(t, lp, top)
+            picked.append(pick)
+        return picked
+
+    def _sample(self, logits: torch.Tensor, plain: list[tuple[Req, int]], masks: dict[Req, torch.Tensor | None]):
+        reqs = [r for r, _ in plain]
+        if self.faults is not None:
+            for r in reqs:
+                self.faults.check(r.rid, "sample")
+        rows_logits = logits.index_select(0, torch.tensor([f for _, f in plain], device=logits.device))
+        mask = None
+        if any(masks[r] is not None for r in reqs):
+            mask = torch.stack([masks[r] if masks[r] is not None else torch.ones(self.vocab_size, dtype=torch.bool) for r in reqs]).to(self.device)
+        return sample(rows_logits, [self._sampling_row(r, r.output_ids) for r in reqs], self.generator, mask)
 
     # ------------------------------------------------------------ picking
     def _sampling_row(self, req: Req, output_ids: list[int]) -> SamplingRow:
@@ -95,17 +171,17 @@ class Decoder:
             banned = sorted((set() if req.params.ignore_eos else self.end_ids) | set(req.params.stop_token_ids))
         return SamplingRow(req.params, req.input_ids, output_ids, req.generator, banned, req.return_logprob, req.top_logprobs_num)
 
-    def _grammar_mask(self, reqs: list[Req]) -> torch.Tensor | None:
-        """Allowed tokens per row (bool ``[B, V]``); None when no row is constrained."""
-        if all(r.grammar is None for r in reqs):
+    def _grammar_row_mask(self, req: Req) -> torch.Tensor | None:
+        """Allowed tokens of one request (bool ``[V]``, on the CPU); None when unconstrained."""
+        if req.grammar is None:
             return None
-        bitmask = torch.full((len(reqs), bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
-        for i, req in enumerate(reqs):
-            if req.grammar is not None:
-                req.grammar.fill_bitmask(bitmask, i)
-                if req.grammar.error() is not None:  # fail closed: the pick is refused below
-                    bitmask[i] = 0
-        return unpack_bitmask(bitmask, self.vocab_size).to(self.device)
+        if self.faults is not None:
+            self.faults.check(req.rid, "grammar")
+        bitmask = torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        req.grammar.fill_bitmask(bitmask, 0)
+        if req.grammar.error() is not None:  # fail closed: the pick is refused below
+            bitmask[0] = 0
+        return unpack_bitmask(bitmask, self.vocab_size)[0]
 
     def _grammar_takes(self, req: Req, token: int, pick: _Picked) -> bool:
         """Feed a picked token to the request's grammar; on refusal record why (fail closed)."""
@@ -119,15 +195,17 @@ class Decoder:
 
     def _verify(self, req: Req, logits: torch.Tensor) -> _Picked:
         """Pick at each draft position in turn; stop at the first pick that differs from the draft."""
-        drafts, req.draft_ids = req.draft_ids, []
+        drafts = req.draft_ids
         pick = _Picked(req)
         for i in range(len(drafts) + 1):
             srow = self._sampling_row(req, req.output_ids + pick.tokens)
-            mask = self._grammar_mask([req])
+            mask = self._grammar_row_mask(req)
+            if mask is not None:
+                mask = mask.to(self.device)
             if i < len(drafts):
-                res = accept_draft(logits[i], srow, drafts[i], self.generator, None if mask is None else mask[0])
+                res = accept_draft(logits[i], srow, drafts[i], self.generator, mask)
             else:
-                res = sample(logits[i : i + 1], [srow], self.generator, mask)
+                res = sample(logits[i : i + 1], [srow], self.generator, None if mask is None else mask[None])
             token = res.token_ids[0]
             if not self._grammar_takes(req, token, pick):
                 break
@@ -137,32 +215,46 @@ class Decoder:
             req.accepted_draft_tokens += 1
             if req.grammar is not None and req.grammar.is_terminated():
                 break  # the drafts completed the grammar: nothing more to pick
+            if self._is_stop_token(req, token, len(req.output_ids) + len(pick.tokens)):
+                break  # a stop token among the drafts ends the request there
+        req.draft_ids = []
         return pick
 
     # ---------------------------------------------------------- bookkeeping
     def _append(self, pick: _Picked, now: float) -> FinishReason | None:
         """Append picked tokens; returns a finish reason, or None (and proposes new drafts)."""
         req = pick.req
+        req.draft_ids = []
         if req.first_token_time is None:
             req.first_token_time = now
+        keep = max(req.params.max_new_tokens - len(req.output_ids), 0)
+        del pick.tokens[keep:], pick.logprobs[keep:], pick.tops[keep:]
         req.output_ids.extend(pick.tokens)
         if req.return_logprob:
             req.output_logprobs.extend(pick.logprobs)
             req.output_top_logprobs.extend(pick.tops)
-        if req.kv is not None:  # KV computed for rejected drafts is stale
-            req.kv.kv_len = min(req.kv.kv_len, req.seq_len - 1)
         if pick.refused is not None:
             self.outputs.update_text(req, final=True)
             return FinishReason("abort", message=f"constraint failed: {pick.refused}")
-        reason = self._check_finish(req, pick.tokens[-1])
+        reason = self._check_finish(req, pick.tokens[-1]) if pick.tokens else self._check_finish(req, None)
         if reason is None and req.grammar is not None and not self.args.disable_jump_forward:
             self._propose_drafts(req)
         if reason is None and req.stream:
+            if self.faults is not None:
+                self.faults.check(req.rid, "output")
             req.sink(self.outputs.build(req, finished=False))
         return reason
 
+    def _is_stop_token(self, req: Req, token: int, n_out: int) -> bool:
+        """True when ``token``, as output token number ``n_out``, ends the request."""
+        p = req.params
+        if n_out < p.min_new_tokens:
+            return False
+        return (not p.ignore_eos and token in self.end_ids) or token in p.stop_token_ids
+
     def _propose_drafts(self, req: Req) -> None:
-        budget = min(req.remaining_tokens(), self.context_len - 1 - req.seq_len)
+        # The verifying pass yields one token past the drafts: leave room for it.
+        budget = min(req.remaining_tokens() - 1, self.context_len - 1 - req.seq_len)
         req.draft_ids = draft_tokens(self.tokenizer, req.grammar.forced_text(), budget)
 
     def propose_initial_drafts(self, req: Req) -> None:
@@ -170,7 +262,7 @@ class Decoder:
         if req.grammar is not None and not self.args.disable_jump_forward and not req.output_ids:
             self._propose_drafts(req)
 
-    def _check_finish(self, req: Req, token: int) -> FinishReason | None:
+    def _check_finish(self, req: Req, token: int | None) -> FinishReason | None:
         p = req.params
         n_out = len(req.output_ids)
         if req.grammar is not None and req.grammar.error() is not None:

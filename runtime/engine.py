@@ -3,6 +3,10 @@
 Callers never touch scheduler state: requests, aborts and queries go through an inbox that the
 loop thread drains between steps; results come back through per-request sinks (a thread queue
 for the blocking API, an asyncio queue fed with ``call_soon_threadsafe`` for the async one).
+
+Every submitted request is registered until its final output is delivered. No exception leaves
+the loop; if the loop ends anyway (a fatal error, or shutdown), every registered request gets a
+final error output at once and ``is_alive`` turns False, so no waiter ever waits forever.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -25,7 +30,7 @@ from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
-from radixlm.runtime.request import Req, ReqOutput
+from radixlm.runtime.request import FinishReason, Req, ReqOutput
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -42,7 +47,7 @@ class EngineError(RuntimeError):
 
 
 @dataclass
-class Runtime:
+class EngineParts:
     """The engine's parts assembled from ServerArgs, without a loop thread."""
 
     args: ServerArgs
@@ -54,7 +59,7 @@ class Runtime:
     grammars: GrammarCompiler
 
 
-def build_runtime(args: ServerArgs) -> Runtime:
+def build_parts(args: ServerArgs) -> EngineParts:
     """Load the model and tokenizer and wire the KV memory and scheduler together."""
     configure_threads(args.num_threads)
     model_path = resolve_model_path(args.model_path)
@@ -62,13 +67,14 @@ def build_runtime(args: ServerArgs) -> Runtime:
     runner = ModelRunner(args, model_path)
     device = runner.device
     allocator = SlotAllocator(runner.max_total_tokens, args.page_size, device)
-    table = ReqToTokenTable(args.max_running_requests + 8, runner.context_len, device)
+    width = -(-runner.context_len // args.page_size) * args.page_size  # whole pages per row
+    table = ReqToTokenTable(args.max_running_requests + 8, width, device)
     tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache)
     kv = KVManager(allocator, table, tree)
     end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
     scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids, tokenizer)
     grammars = make_grammar_compiler(args, tokenizer, runner.config.vocab_size, end_ids)
-    return Runtime(args, model_path, tokenizer, runner, kv, scheduler, grammars)
+    return EngineParts(args, model_path, tokenizer, runner, kv, scheduler, grammars)
 
 
 def make_grammar_compiler(args: ServerArgs, tokenizer, vocab_size: int, end_ids: set[int]) -> GrammarCompiler:
@@ -96,15 +102,18 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
-        logging.basicConfig(level=self.args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._rid_counter = itertools.count()
         self._closed = False
         self._error: BaseException | None = None
+        self._in_flight: dict[str, Req] = {}  # submitted, final output not yet delivered
+        self._in_flight_lock = threading.Lock()
+        self._stopped = False  # set (under the lock) once the loop has ended
+        self._check_every_step = self.args.debug_check_accounting or os.environ.get("RADIXLM_CHECK_ACCOUNTING") == "1"
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="radixlm-engine", daemon=True)
         self._thread.start()
-        rt: Runtime = ready.result()  # re-raises what went wrong while loading
+        rt: EngineParts = ready.result()  # re-raises what went wrong while loading
         self.model_path, self.tokenizer, self.runner = rt.model_path, rt.tokenizer, rt.runner
         self.kv, self.scheduler, self.grammars = rt.kv, rt.scheduler, rt.grammars
         self.config = self.runner.config
@@ -114,12 +123,22 @@ class Engine:
     # ------------------------------------------------------------- the loop
     def _run(self, ready: concurrent.futures.Future) -> None:
         try:
-            rt = build_runtime(self.args)
+            rt = build_parts(self.args)
         except BaseException as exc:
+            with self._in_flight_lock:
+                self._stopped = True
             ready.set_exception(exc)
             return
         ready.set_result(rt)
-        self._loop(rt.scheduler)
+        message = "the engine is shutting down"
+        try:
+            self._loop(rt.scheduler)
+        except BaseException as exc:  # a bug outside any request's guard: end cleanly, loudly
+            logger.critical("the engine loop died", exc_info=True)
+            self._error = exc
+            message = f"the engine stopped after an internal error: {exc}"
+        finally:
+            self._stop(rt.scheduler, message)
 
     def _loop(self, sched: Scheduler) -> None:
         while True:
@@ -130,7 +149,6 @@ class Engine:
                 item = None
             while item is not None:
                 if item is _STOP:
-                    sched.abort_all("the engine is shutting down")
                     return
                 self._handle(sched, item)
                 try:
@@ -139,10 +157,29 @@ class Engine:
                     item = None
             try:
                 sched.step()
-            except Exception as exc:  # a bug or out-of-memory: fail what runs, keep serving
+            except Exception as exc:  # no request owns this error: fail what runs, keep serving
                 logger.exception("engine step failed")
                 self._error = exc
-                sched.abort_all(f"internal error: {exc}")
+                sched.fail_running(f"internal error: {exc}")
+            if self._check_every_step:
+                sched.check_accounting(full=not sched.has_work())  # a broken invariant ends the loop, loudly
+
+    def _stop(self, sched: Scheduler, message: str) -> None:
+        """After the loop: end what the scheduler holds, then answer every other waiter."""
+        with self._in_flight_lock:
+            self._stopped = True  # from here on, nothing new is accepted
+        try:
+            sched.abort_all(message, status=503)
+        except Exception:
+            logger.exception("aborting requests at shutdown failed")
+        with self._in_flight_lock:
+            left, self._in_flight = list(self._in_flight.values()), {}
+        for req in left:  # still queued in the inbox, or lost by a failure above
+            req.finish = FinishReason("abort", message=message, status=503)
+            try:
+                req.sink(ReqOutput(req.rid, req.text, list(req.output_ids), {"id": req.rid, "finish_reason": req.finish.to_dict()}, True))
+            except Exception:
+                logger.exception("delivering the final output of request %s failed", req.rid)
 
     @staticmethod
     def _handle(sched: Scheduler, item: tuple) -> None:
@@ -164,12 +201,12 @@ class Engine:
         return fut.result()
 
     def _check_open(self) -> None:
-        if self._closed or not self._thread.is_alive():
-            raise EngineError("the engine has been shut down")
+        if self._closed or self._stopped or not self._thread.is_alive():
+            raise EngineError("the engine has been shut down" if self._closed else "the engine loop stopped")
 
     def is_alive(self) -> bool:
-        """True while the loop thread runs."""
-        return not self._closed and self._thread.is_alive()
+        """True while the loop thread runs and takes requests."""
+        return not self._closed and not self._stopped and self._thread.is_alive()
 
     # ------------------------------------------------------------ requests
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -217,8 +254,10 @@ class Engine:
             raise ValueError("top_logprobs_num must be an integer >= 0")
         if not isinstance(logprob_start_len, int) or isinstance(logprob_start_len, bool) or logprob_start_len < -1:
             raise ValueError("logprob_start_len must be an integer >= -1")
-        if rid is not None and not isinstance(rid, str):
-            raise ValueError("rid must be a string")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError("rid must be a non-empty string")
+        if rid is not None and rid in self._in_flight:
+            raise ValueError(f"rid {rid!r} is already in flight")
         req = Req(
             rid=rid or uuid.uuid4().hex,
             input_ids=list(input_ids),
@@ -245,8 +284,24 @@ class Engine:
             req.grammar = (await self.grammars.compile_async(*req.params.constraint)).matcher()
 
     def submit(self, req: Req) -> None:
-        """Queue a built request on the loop."""
-        self._check_open()
+        """Queue a built request on the loop (ValueError when its rid is already in flight)."""
+        deliver = req.sink
+
+        def sink(out: ReqOutput) -> None:
+            if out.finished:
+                with self._in_flight_lock:
+                    if self._in_flight.get(req.rid) is not req:
+                        return  # already answered (the loop ended and failed it)
+                    del self._in_flight[req.rid]
+            deliver(out)
+
+        with self._in_flight_lock:
+            if self._closed or self._stopped:
+                raise EngineError("the engine has been shut down" if self._closed else "the engine loop stopped")
+            if req.rid in self._in_flight:
+                raise ValueError(f"rid {req.rid!r} is already in flight")
+            self._in_flight[req.rid] = req
+            req.sink = sink
         self._inbox.put(("add", req))
 
     def abort(self, rid: str) -> bool:
@@ -261,7 +316,8 @@ class Engine:
     async def start_request(self, **kwargs: Any) -> tuple[Req, asyncio.Queue]:
         """Validate, compile the constraint of, and queue one request; outputs arrive on the queue."""
         q: asyncio.Queue = asyncio.Queue()
-        req = self.make_request(_async_sink(asyncio.get_running_loop(), q), **kwargs)
+        sink = _async_sink(asyncio.get_running_loop(), q)
+        req = await asyncio.to_thread(self.make_request, sink, **kwargs)  # tokenizing is CPU work
         await self.attach_grammar_async(req)
         self.submit(req)
         return req, q

@@ -27,18 +27,30 @@ class ReqOutput:
 
 @dataclass
 class FinishReason:
-    """Why a request ended: ``stop`` (EOS, stop token or string), ``length`` or ``abort``."""
+    """Why a request ended: ``stop`` (EOS, stop token or string), ``length`` or ``abort``.
+
+    A request that failed (rather than being aborted by its client) carries the HTTP ``status``
+    its error maps to: 500 for a fault inside that request, 503 when the engine stopped.
+    """
 
     type: str
     matched: int | str | None = None
     message: str | None = None
+    status: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``finish_reason`` dict of SGLang's meta_info."""
         d: dict[str, Any] = {"type": self.type, "matched": self.matched}
         if self.message:
             d["message"] = self.message
+        if self.status is not None:
+            d["status"] = self.status
         return d
+
+    @classmethod
+    def failure(cls, message: str, status: int = 500) -> FinishReason:
+        """An abort caused by an error (not by the client)."""
+        return cls("abort", message=message, status=status)
 
 
 @dataclass(eq=False)

@@ -58,7 +58,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Set filtered-out entries of temperature-scaled logits to -inf; returns probabilities."""
     device = logits.device
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else logits.shape[-1] for r in rows], device=device)
+    top_k = torch.tensor([min(r.params.top_k, logits.shape[-1]) if r.params.top_k > 0 else logits.shape[-1] for r in rows], device=device)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
     probs = torch.softmax(logits, dim=-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,11 @@ def _is_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (as SGLang does)
+MAX_TOP_K = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -82,6 +88,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             if _is_int(getattr(self, name)):
                 setattr(self, name, float(getattr(self, name)))
+        if _is_number(self.temperature) and 0 < self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0  # 1/T would overflow: such a temperature is greedy anyway
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -94,11 +102,14 @@ class SamplingParams:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or in [1, {MAX_TOP_K}], got {self.top_k}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            if not _is_number(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -119,8 +130,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of regex, json_schema, ebnf (got {', '.join(given)})")

@@ -10,6 +10,11 @@ Each ``step``:
 4. one forward pass over all rows (``schedule_batch``); the ``Decoder`` picks tokens where a row
    reached the end of its sequence, appends them and checks stop conditions;
 5. finished requests hand their KV to the radix tree; prompts just computed are shared at once.
+
+Faults stay with the request that caused them: an error while admitting, sampling or building
+one request's output fails that request alone (``FinishReason.failure``), and its KV is freed
+without being cached. A forward pass that raises is split in halves and re-run until the failing
+request is found. Nothing a request does can raise out of ``step``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ import torch
 from radixlm.radix_cache.manager import KVManager
 from radixlm.radix_cache.tree import RadixCache
 from radixlm.runtime.decoder import Decoder
+from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
-from radixlm.runtime.request import FinishReason, Req
+from radixlm.runtime.request import FinishReason, Req, ReqOutput
 from radixlm.runtime.schedule_batch import Row, build_forward_batch
 from radixlm.runtime.server_args import ServerArgs
 
@@ -64,7 +70,8 @@ class Scheduler:
         self.kv = kv
         self.outputs = outputs
         self.end_ids = end_ids
-        self.decoder = Decoder(args, tokenizer, outputs, end_ids, runner.config.vocab_size, runner.context_len, runner.device)
+        self.faults = FaultInjector() if args.debug_fault_injection else None
+        self.decoder = Decoder(args, tokenizer, outputs, end_ids, runner.config.vocab_size, runner.context_len, runner.device, self.faults)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -75,7 +82,12 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
         """Queue a validated request (with drafts for any text its grammar forces at the start)."""
-        self.decoder.propose_initial_drafts(req)
+        try:
+            self.decoder.propose_initial_drafts(req)
+        except Exception as exc:
+            logger.exception("request %s failed on admission", req.rid)
+            self._finish(req, FinishReason.failure(f"admission failed: {exc}"))
+            return
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -90,11 +102,16 @@ class Scheduler:
                 return True
         return False
 
-    def abort_all(self, message: str) -> None:
-        """Abort every request, e.g. at shutdown."""
+    def abort_all(self, message: str, status: int | None = None) -> None:
+        """End every request, e.g. at shutdown (``status``: the error it maps to, if any)."""
         for req in self.waiting + self.running:
             req.abort_requested = True
-        self._drop_aborted(message)
+        self._drop_aborted(message, status)
+
+    def fail_running(self, message: str) -> None:
+        """Fail every running request without caching its KV (after an error no request owns)."""
+        for req in list(self.running):
+            self._fail(req, message)
 
     # ------------------------------------------------------------------- step
     def step(self) -> bool:
@@ -111,13 +128,21 @@ class Scheduler:
         self._run(rows)
         return True
 
-    def _drop_aborted(self, message: str) -> None:
+    def _drop_aborted(self, message: str, status: int | None = None) -> None:
         for req in [r for r in self.waiting if r.abort_requested]:
             self.waiting.remove(req)
-            self._finish(req, FinishReason("abort", message=message))
+            self._finish(req, FinishReason("abort", message=message, status=status))
         for req in [r for r in self.running if r.abort_requested]:
             self.running.remove(req)
-            self._finish(req, FinishReason("abort", message=message))
+            self._finish(req, FinishReason("abort", message=message, status=status))
+
+    def _fail(self, req: Req, message: str) -> None:
+        """Take a request out of the queues and end it with an error."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, FinishReason.failure(message))
 
     # ---------------------------------------------------------- batch forming
     def _decode_rows(self) -> list[Row]:
@@ -153,7 +178,7 @@ class Scheduler:
     def _reserved_headroom(self) -> int:
         total = 0
         for r in self.running:
-            total += max(r.seq_len - r.kv.alloc_len, 0)
+            total += self.kv.headroom(r.kv, r.seq_len)
             total += int(min(r.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
         return total
 
@@ -169,16 +194,20 @@ class Scheduler:
 
     def _prefill_rows(self, budget: int) -> list[Row]:
         rows = []
-        for req in self.running:  # unfinished (chunked) prompts first
-            if budget <= 0:
-                return rows
+        # Unfinished (chunked) prompts go first, but while others wait they get half the budget,
+        # so one long prompt never keeps new requests out for its whole prefill.
+        chunk_budget = max(budget // 2, self.kv.page_size) if self.waiting else budget
+        for req in self.running:
+            if chunk_budget <= 0:
+                break
             if req.generating:
                 continue
-            row = self._extend_row(req, budget)
+            row = self._extend_row(req, chunk_budget)
             if row is None:
                 break
             rows.append(row)
             budget -= row.length
+            chunk_budget -= row.length
         if budget <= 0 or not self.waiting:
             return rows
         in_batch = RadixCache(lambda slots: None)  # prompts admitted this step (tokens only)
@@ -196,9 +225,17 @@ class Scheduler:
             state = self.kv.admit(prefix_slots, node)
             if state is None:
                 break
-            if need > self.kv.available() or not self.kv.reserve(state, len(prefix_slots) + length):
+            try:
+                if need > self.kv.available() or not self.kv.reserve(state, len(prefix_slots) + length):
+                    self.kv.release(state, None)
+                    break
+                if self.faults is not None:
+                    self.faults.check(req.rid, "admit")
+            except Exception as exc:
+                logger.exception("request %s failed on admission", req.rid)
                 self.kv.release(state, None)
-                break
+                self._fail(req, f"admission failed: {exc}")
+                continue
             req.kv = state
             if req.cached_tokens < 0:
                 req.cached_tokens = len(prefix_slots)
@@ -240,40 +277,84 @@ class Scheduler:
 
     # ----------------------------------------------------------- the forward
     def _run(self, rows: list[Row]) -> None:
-        batch, spans = build_forward_batch(rows, self.kv, self.runner)
-        t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
+        for row in self._forward(rows):
+            req = row.req
+            if req.finish is not None:
+                continue
+            try:
+                if not row.sample and row.start + row.length == req.seq_len:  # max_new_tokens == 0
+                    self.running.remove(req)
+                    self._finish(req, FinishReason("length"))
+                elif row.length > 1:
+                    self.kv.cache_prefix(req.kv, req.fill_ids)  # share the prompt while it runs
+            except Exception as exc:
+                logger.exception("request %s failed after its forward pass", req.rid)
+                self._fail(req, f"internal error: {exc}")
+        if not self.stats.num_retracted:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+    def _forward(self, rows: list[Row]) -> list[Row]:
+        """One pass over ``rows`` and its tokens applied; returns the rows that were computed.
+
+        When the pass raises, the rows are split in halves and each half runs on its own, so only
+        the request that makes the pass fail is failed (its batch-mates recompute the same KV).
+        """
+        try:
+            batch, spans = build_forward_batch(rows, self.kv, self.runner)
+            if self.faults is not None:
+                for row in rows:
+                    self.faults.check(row.req.rid, "forward")
+            t0 = time.perf_counter()
+            logits = self.runner.forward(batch)
+        except Exception as exc:
+            if len(rows) == 1:
+                logger.exception("forward pass failed for request %s", rows[0].req.rid)
+                self._fail(rows[0].req, f"forward pass failed: {exc}")
+                return []
+            mid = len(rows) // 2
+            return self._forward(rows[:mid]) + self._forward(rows[mid:])
         self.forward_passes += 1
-        self.stats.forward_s = time.perf_counter() - t0
-        self.stats.num_decode = batch.num_decode
-        self.stats.num_prefill_tokens = len(batch.input_ids) - batch.num_decode
+        self.stats.forward_s += time.perf_counter() - t0
+        self.stats.num_decode += batch.num_decode
+        self.stats.num_prefill_tokens += len(batch.input_ids) - batch.num_decode
         for row in rows:
-            row.req.kv.kv_len = row.start + row.length
+            self.kv.mark_computed(row.req.kv, row.start + row.length)
         for req, reason in self.decoder.process(logits, spans):
             self.running.remove(req)
             self._finish(req, reason)
         for row in rows:
             req = row.req
-            if req.finish is not None:
-                continue
-            if not row.sample and row.start + row.length == req.seq_len:  # max_new_tokens == 0
-                self.running.remove(req)
-                self._finish(req, FinishReason("length"))
-            elif row.length > 1:
-                self.kv.cache_prefix(req.kv, req.fill_ids)  # share the prompt while it runs
-        if not self.stats.num_retracted:
-            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+            if req.finish is None and req.kv is not None:  # KV computed for rejected drafts is stale
+                self.kv.truncate(req.kv, req.seq_len - 1 - len(req.draft_ids))
+        return rows
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        """End a request: free (and, unless it failed, cache) its KV and send its final output."""
         req.finish = reason
         if req.kv is not None:
-            self.kv.release(req.kv, req.fill_ids)
-            req.kv = None
-        if req.grammar is not None:
-            req.grammar = None
-        req.sink(self.outputs.build(req, finished=True))
+            state, req.kv = req.kv, None
+            try:
+                self.kv.release(state, req.fill_ids if reason.status is None else None)
+            except Exception:
+                logger.exception("caching the KV of request %s failed; freeing it uncached", req.rid)
+                if state.alloc_len:
+                    self.kv.release(state, None)
+        req.grammar = None
+        try:
+            if self.faults is not None:
+                self.faults.check(req.rid, "output")
+            out = self.outputs.build(req, finished=True)
+        except Exception as exc:
+            logger.exception("building the output of request %s failed", req.rid)
+            req.finish = FinishReason.failure(f"building the output failed: {exc}")
+            out = ReqOutput(req.rid, req.text, list(req.output_ids), {"id": req.rid, "finish_reason": req.finish.to_dict()}, True)
+        try:
+            req.sink(out)
+        except Exception:
+            logger.exception("delivering the output of request %s failed", req.rid)
 
     # ------------------------------------------------------------ inspection
-    def check_accounting(self) -> None:
+    def check_accounting(self, full: bool = True) -> None:
         """Assert the KV invariant: free + tree + running-owned slots = pool size."""
-        self.kv.check_accounting([r.kv for r in self.running if r.kv is not None])
+        self.kv.check_accounting([r.kv for r in self.running if r.kv is not None], full)
+        assert all(r.kv is None for r in self.waiting), "a waiting request holds KV"

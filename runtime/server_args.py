@@ -38,6 +38,8 @@ class ServerArgs:
     grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
     disable_jump_forward: bool = _opt(False, "Decode forced grammar text token by token instead of appending it at once.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
+    debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
+    debug_fault_injection: bool = _opt(False, "Test only: a request whose rid starts with fault-<stage>- fails at that stage (admit, grammar, sample, forward, output, nan).")
 
     def resolved_device(self) -> str:
         """The concrete device name."""
@@ -60,12 +62,16 @@ class ServerArgs:
         """Raise ValueError naming the first invalid option."""
         positive = ["page_size", "max_running_requests", "chunked_prefill_size"]
         for name in positive:
-            if getattr(self, name) <= 0:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("context_length", "max_total_tokens", "num_threads"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
+        if self.context_length is not None and self.context_length < self.page_size:
+            raise ValueError(f"context_length ({self.context_length}) must be at least page_size ({self.page_size})")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be at least page_size ({self.page_size})")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         for f in dataclasses.fields(self):

@@ -16,6 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every engine the suite starts (in-process or a server child) checks its KV accounting after
+# each step: a leak fails the test that caused it, not a later one.
+os.environ.setdefault("RADIXLM_CHECK_ACCOUNTING", "1")
+
 # The suite shares 2 cores with whatever else runs: one intra-op thread is faster and steadier.
 os.environ.setdefault("RADIXLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["RADIXLM_NUM_THREADS"]))

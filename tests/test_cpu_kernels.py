@@ -62,14 +62,14 @@ def test_rope_on_strided_heads_matches_the_pytorch_rotation(ext, dtype, monkeypa
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_decoder_layers_give_the_same_hidden_states_with_and_without_the_kernels(ext, tiny_model_dirs, arch, monkeypatch):
-    from radixlm.runtime.engine import build_runtime
+    from radixlm.runtime.engine import build_parts
     from radixlm.runtime.server_args import ServerArgs
 
-    rt = build_runtime(ServerArgs(model_path=tiny_model_dirs[arch], max_total_tokens=512))
+    rt = build_parts(ServerArgs(model_path=tiny_model_dirs[arch], max_total_tokens=512))
     out_fused = _prefill_hidden(rt)
     for module in (llama, rope):
         monkeypatch.setattr(module, "cpu_kernels", lambda: None)
-    out_plain = _prefill_hidden(build_runtime(ServerArgs(model_path=tiny_model_dirs[arch], max_total_tokens=512)))  # a cold cache
+    out_plain = _prefill_hidden(build_parts(ServerArgs(model_path=tiny_model_dirs[arch], max_total_tokens=512)))  # a cold cache
     torch.testing.assert_close(out_fused, out_plain, atol=1e-4, rtol=1e-4)
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import TINY_ARCHS, Driver, hf_greedy, load_hf_model
 from radixlm import ServerArgs
-from radixlm.runtime.engine import build_runtime
+from radixlm.runtime.engine import build_parts
 
 NEW_TOKENS = 32
 
@@ -36,7 +36,7 @@ def _tiny_prompts() -> list[list[int]]:
 
 def _run_scenario(model_path: str, prompts: list[list[int]], options: dict, arrival: str):
     args = ServerArgs(model_path=model_path, max_total_tokens=options.pop("max_total_tokens", 8192), **options)
-    rt = build_runtime(args)
+    rt = build_parts(args)
     d = Driver(rt)
     params = dict(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     rids: list[str] = []

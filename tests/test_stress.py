@@ -8,7 +8,7 @@ import pytest
 
 from helpers import Driver
 from radixlm import ServerArgs
-from radixlm.runtime.engine import build_runtime
+from radixlm.runtime.engine import build_parts
 
 
 def _random_request(rng: random.Random, shared: list[int]) -> tuple[list[int], dict]:
@@ -39,7 +39,7 @@ def test_200_random_requests_through_a_quarter_sized_pool_all_finish_without_lea
     shared = [rng.randrange(3, 390) for _ in range(80)]
     requests = [_random_request(rng, shared) for _ in range(200)]
     need = sum(len(ids) + p["max_new_tokens"] for ids, p in requests)
-    rt = build_runtime(ServerArgs(model_path=tiny_llama, max_total_tokens=need // 4, max_running_requests=64 if headroom == "normal" else 128, chunked_prefill_size=512, page_size=1))
+    rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=need // 4, max_running_requests=64 if headroom == "normal" else 128, chunked_prefill_size=512, page_size=1))
     d = Driver(rt)
     pending = list(requests)
     rids: list[str] = []

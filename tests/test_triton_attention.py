@@ -160,11 +160,11 @@ def test_tiny_model_generates_the_same_tokens_with_the_triton_backend(tiny_llama
     """The whole engine path (pool writes, mixed decode/extend rows) on the Triton kernels."""
     from helpers import Driver
     from radixlm import ServerArgs
-    from radixlm.runtime.engine import build_runtime
+    from radixlm.runtime.engine import build_parts
 
     outputs = {}
     for backend in ("torch", "triton"):
-        rt = build_runtime(ServerArgs(model_path=tiny_llama, max_total_tokens=256, attention_backend=backend))
+        rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=256, attention_backend=backend))
         d = Driver(rt)
         a = d.add([5, 9, 30, 41, 7, 8], max_new_tokens=3, temperature=0, ignore_eos=True)
         d.step()  # the first request decodes while the second (sharing its prefix) is prefilled

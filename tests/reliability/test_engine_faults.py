@@ -1,0 +1,192 @@
+"""Engine fault isolation: a request that fails at any stage fails alone, frees its KV uncached,
+and the loop keeps serving; if the loop itself ends, every waiter is answered at once."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+
+import pytest
+
+import radixlm
+from radixlm.runtime.engine import EngineError
+from radixlm.runtime.faults import STAGES
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+PROMPTS = ["The quick brown fox", "Radix trees share", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with radixlm.Engine(model_path=tiny_llama, max_total_tokens=4096, max_running_requests=16, debug_fault_injection=True) as eng:
+        yield eng
+
+
+def _run_with_one_fault(engine, stage: str, params: dict, stream: bool = False) -> tuple[dict, list[dict]]:
+    """Start three good requests and one that fails at ``stage`` together; return all outputs."""
+
+    async def main():
+        good = [engine.async_generate(p, GREEDY) for p in PROMPTS]
+        req, q = await engine.start_request(prompt="Question: what is two", sampling_params=params, rid=f"fault-{stage}-1", stream=stream)
+        outs = await asyncio.gather(*good)
+        while True:
+            bad = await q.get()
+            if bad.finished:
+                return bad, outs
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stage", [s for s in STAGES if s != "grammar"])
+def test_a_request_failing_at_any_stage_fails_alone(engine, stage):
+    expected = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
+    bad, outs = _run_with_one_fault(engine, stage, dict(GREEDY))
+    reason = bad.meta_info["finish_reason"]
+    assert reason["type"] == "abort" and reason["status"] == 500, reason
+    assert reason["message"]
+    assert [o["output_ids"] for o in outs] == expected
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    engine.check_accounting()
+    assert engine.generate("still serving", GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_grammar_fault_during_draft_verification_fails_only_that_request(engine):
+    # The regex forces text, so the first pass verifies jump-forward drafts (the path whose
+    # failure used to kill the loop while the KV length still counted the drafts).
+    bad, outs = _run_with_one_fault(engine, "grammar", {"regex": "forced text here [0-9]", "max_new_tokens": 16, "temperature": 0})
+    assert bad.meta_info["finish_reason"]["status"] == 500
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    engine.check_accounting()
+    assert engine.is_alive()
+
+
+def test_non_finite_logits_are_never_cached(engine):
+    prompt = "0123456789 abcdefghij unique prompt for nan"
+    ids = engine.tokenize(prompt)
+    bad, _ = _run_with_one_fault_ids(engine, ids)
+    assert "non-finite" in bad.meta_info["finish_reason"]["message"]
+    cached = engine._call(lambda: engine.kv.tree.match_prefix(ids).length)
+    assert cached == 0
+    engine.check_accounting()
+
+
+def _run_with_one_fault_ids(engine, ids):
+    async def main():
+        req, q = await engine.start_request(input_ids=ids, sampling_params=GREEDY, rid="fault-nan-ids")
+        while True:
+            out = await q.get()
+            if out.finished:
+                return out, None
+
+    return asyncio.run(main())
+
+
+def test_a_streaming_request_failing_gets_a_final_error_output(engine):
+    bad, outs = _run_with_one_fault(engine, "output", dict(GREEDY), stream=True)
+    assert bad.finished and bad.meta_info["finish_reason"]["status"] == 500
+    engine.check_accounting()
+
+
+def test_a_reused_rid_is_refused_while_in_flight(engine):
+    async def main():
+        req, q = await engine.start_request(prompt="first", sampling_params={"max_new_tokens": 64, "ignore_eos": True}, rid="same-rid")
+        with pytest.raises(ValueError, match="rid"):
+            await engine.start_request(prompt="second", sampling_params=GREEDY, rid="same-rid")
+        while not (await q.get()).finished:
+            pass
+        # once the first has finished, the rid may be used again
+        req2, q2 = await engine.start_request(prompt="third", sampling_params=GREEDY, rid="same-rid")
+        while not (out := await q2.get()).finished:
+            pass
+        return out
+
+    assert asyncio.run(main()).meta_info["finish_reason"]["type"] == "length"
+    engine.check_accounting()
+
+
+def test_jump_forward_never_exceeds_max_new_tokens(engine):
+    for n in (1, 2, 3, 5):
+        out = engine.generate("Say it:", {"regex": "a fixed answer that is long enough", "max_new_tokens": n, "temperature": 0})
+        assert len(out["output_ids"]) == n, (n, out)
+
+
+def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(engine):
+    forced = "forced text here ok"
+    ids = engine.tokenize(forced, add_special_tokens=False)
+    stop_at = ids[1]
+    out = engine.generate("Say it:", {"regex": forced, "max_new_tokens": 32, "temperature": 0, "stop_token_ids": [stop_at]})
+    assert out["output_ids"][-1] == stop_at and stop_at not in out["output_ids"][:-1], out
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_a_context_length_off_the_page_size_leaks_no_page(tiny_llama):
+    with radixlm.Engine(model_path=tiny_llama, max_total_tokens=1024, context_length=100, page_size=16) as eng:
+        prompt = list(range(10, 90))
+        for _ in range(3):
+            out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 19, "ignore_eos": True, "temperature": 0})
+            assert out["meta_info"]["finish_reason"]["type"] == "length"
+            assert len(prompt) + len(out["output_ids"]) <= 100
+        eng.check_accounting()
+        assert eng.get_stats()["running_slots"] == 0
+
+
+def test_a_dead_loop_answers_every_waiter_at_once(tiny_llama):
+    eng = radixlm.Engine(model_path=tiny_llama, max_total_tokens=1024)
+    try:
+        step = eng.scheduler.step
+        entered = queue.Queue()
+
+        def dying_step():
+            entered.put(True)
+            step()
+            raise SystemExit("simulated fatal error")  # not an Exception: nothing per-request catches it
+
+        q_sync: queue.Queue = queue.Queue()
+        req = eng.make_request(q_sync.put, prompt="a long one", sampling_params={"max_new_tokens": 500, "ignore_eos": True})
+        eng.scheduler.step = dying_step
+        eng.submit(req)
+
+        async def waiter():
+            return await eng.async_generate("another", {"max_new_tokens": 500, "ignore_eos": True})
+
+        start = time.monotonic()
+        out = asyncio.run(asyncio.wait_for(waiter(), timeout=120))
+        assert out["meta_info"]["finish_reason"]["status"] == 503
+        final = q_sync.get(timeout=120)
+        while not final.finished:
+            final = q_sync.get(timeout=120)
+        assert final.meta_info["finish_reason"]["status"] == 503
+        assert time.monotonic() - start < 120
+        assert not eng.is_alive()
+        with pytest.raises(EngineError):
+            eng.generate("after", GREEDY)
+    finally:
+        eng.shutdown()
+
+
+def test_chunked_prefill_lets_new_requests_in_while_a_long_prompt_runs(tiny_llama):
+    with radixlm.Engine(model_path=tiny_llama, max_total_tokens=4096, chunked_prefill_size=64) as eng:
+        sched = eng.scheduler
+
+        def scenario():
+            from radixlm.runtime.request import Req
+            from radixlm.runtime.sampling_params import SamplingParams
+
+            long = Req("long", list(range(5, 5 + 900)), SamplingParams(max_new_tokens=1), sink=lambda out: None)
+            short = Req("short", [7, 8, 9], SamplingParams(max_new_tokens=1), sink=lambda out: None)
+            sched.add(long)
+            sched.step()
+            sched.add(short)
+            steps = 0
+            while short.finish is None:
+                sched.step()
+                steps += 1
+            long_done = long.finish is not None
+            while sched.has_work():
+                sched.step()
+            return steps, long_done
+
+        steps, long_done = eng._call(scenario)
+        assert not long_done and steps <= 2
+        eng.check_accounting()
