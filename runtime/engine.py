@@ -225,8 +225,13 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: str | None = None,
+        cache_salt: str | None = None,
     ) -> Req:
-        """Validate one request and build its Req (raises ValueError naming the bad argument)."""
+        """Validate one request and build its Req (raises ValueError naming the bad argument).
+
+        ``cache_salt``: the request shares cached KV only with requests of the same salt (without
+        one, a client can tell from ``cached_tokens`` whether others sent the same prefix).
+        """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -256,6 +261,8 @@ class Engine:
             raise ValueError("logprob_start_len must be an integer >= -1")
         if rid is not None and (not isinstance(rid, str) or not rid):
             raise ValueError("rid must be a non-empty string")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         if rid is not None and rid in self._in_flight:
             raise ValueError(f"rid {rid!r} is already in flight")
         req = Req(
@@ -268,6 +275,7 @@ class Engine:
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len,
             return_text_in_logprobs=return_text_in_logprobs,
+            cache_salt=cache_salt,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -333,10 +341,11 @@ class Engine:
         logprob_start_len: int = -1,
         stream: bool = False,
         return_text_in_logprobs: bool = False,
+        cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt)
         if stream:
             if batch:
                 raise ValueError("stream=True takes a single prompt, not a batch")
@@ -392,10 +401,11 @@ class Engine:
         logprob_start_len: int = -1,
         stream: bool = False,
         return_text_in_logprobs: bool = False,
+        cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt)
         if stream and batch:
             raise ValueError("stream=True takes a single prompt, not a batch")
         loop = asyncio.get_running_loop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,6 +13,12 @@ import torch
 from radixlm.radix_cache.manager import KVState
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
+
+
+def salt_offset(salt: str) -> int:
+    """A key offset for ``salt``: past every token id (< 2**32), the same for the same salt."""
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") + 1) << 32
 
 
 @dataclass
@@ -84,11 +91,21 @@ class Req:
     grammar: Any = None  # the constraint's Matcher, if any
     draft_ids: list[int] = field(default_factory=list)  # forced text proposed by jump-forward, unverified
     accepted_draft_tokens: int = 0  # output tokens that came from verified drafts
+    cache_salt: str | None = None  # requests share cached KV only with requests of the same salt
 
     @property
     def fill_ids(self) -> list[int]:
         """Every token of the sequence so far: prompt, output, then unverified draft tokens."""
         return self.input_ids + self.output_ids + self.draft_ids
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """``fill_ids`` as the radix tree keys them: a salt moves the first token out of the
+        vocabulary's range, so salted sequences share a prefix only with the same salt."""
+        ids = self.fill_ids
+        if self.cache_salt is not None:
+            ids[0] += salt_offset(self.cache_salt)
+        return ids
 
     @property
     def seq_len(self) -> int:

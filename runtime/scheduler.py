@@ -167,7 +167,7 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message="the KV pool cannot hold this request"))
             return
         self.running.remove(req)
-        self.kv.release(req.kv, req.fill_ids)
+        self.kv.release(req.kv, req.cache_ids)
         req.kv = None
         self.waiting.insert(0, req)
         self.stats.num_retracted += 1
@@ -189,7 +189,7 @@ class Scheduler:
         tree = self.kv.tree
         lengths = {}
         for r in ready:
-            lengths[id(r)] = tree.match_prefix(r.fill_ids[: r.max_cacheable_prefix()]).length
+            lengths[id(r)] = tree.match_prefix(r.cache_ids[: r.max_cacheable_prefix()]).length
         return sorted(ready, key=lambda r: -lengths[id(r)])  # stable: FCFS on ties
 
     def _prefill_rows(self, budget: int) -> list[Row]:
@@ -214,7 +214,7 @@ class Scheduler:
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
-            prefix_slots, node = self.kv.match(req.fill_ids, req.max_cacheable_prefix())
+            prefix_slots, node = self.kv.match(req.cache_ids, req.max_cacheable_prefix())
             if self._shares_in_batch(in_batch, req, len(prefix_slots)):
                 continue
             length = self._chunk_len(req, len(prefix_slots), budget)
@@ -245,7 +245,7 @@ class Scheduler:
                     req.input_top_logprobs.append(None)
             self.waiting.remove(req)
             self.running.append(req)
-            in_batch.insert(req.fill_ids, torch.zeros(req.seq_len, dtype=torch.int64))
+            in_batch.insert(req.cache_ids, torch.zeros(req.seq_len, dtype=torch.int64))
             rows.append(Row(req, state.kv_len, length, sample=self._samples(req, state.kv_len + length)))
             budget -= length
         return rows
@@ -253,7 +253,7 @@ class Scheduler:
     def _shares_in_batch(self, in_batch: RadixCache, req: Req, cached: int) -> bool:
         if self.kv.tree.disable or in_batch.total_size() == 0:
             return False
-        shared = in_batch.match_prefix(req.fill_ids[: req.max_cacheable_prefix()]).length
+        shared = in_batch.match_prefix(req.cache_ids[: req.max_cacheable_prefix()]).length
         return shared - cached >= IN_BATCH_PREFIX_THRESHOLD
 
     @staticmethod
@@ -286,7 +286,7 @@ class Scheduler:
                     self.running.remove(req)
                     self._finish(req, FinishReason("length"))
                 elif row.length > 1:
-                    self.kv.cache_prefix(req.kv, req.fill_ids)  # share the prompt while it runs
+                    self.kv.cache_prefix(req.kv, req.cache_ids)  # share the prompt while it runs
             except Exception as exc:
                 logger.exception("request %s failed after its forward pass", req.rid)
                 self._fail(req, f"internal error: {exc}")
@@ -334,7 +334,7 @@ class Scheduler:
         if req.kv is not None:
             state, req.kv = req.kv, None
             try:
-                self.kv.release(state, req.fill_ids if reason.status is None else None)
+                self.kv.release(state, req.cache_ids if reason.status is None else None)
             except Exception:
                 logger.exception("caching the KV of request %s failed; freeing it uncached", req.rid)
                 if state.alloc_len:

@@ -190,3 +190,17 @@ def test_chunked_prefill_lets_new_requests_in_while_a_long_prompt_runs(tiny_llam
         steps, long_done = eng._call(scenario)
         assert not long_done and steps <= 2
         eng.check_accounting()
+
+
+def test_cache_salt_keeps_one_clients_prefix_from_another(engine):
+    engine.flush_cache()
+    prompt = "Once upon a time, in a small village, there lived a curious engineer."
+    engine.generate(prompt, GREEDY, cache_salt="alice")
+    other = engine.generate(prompt, GREEDY, cache_salt="mallory")
+    unsalted = engine.generate(prompt, GREEDY)
+    same = engine.generate(prompt, GREEDY, cache_salt="alice")
+    assert other["meta_info"]["cached_tokens"] == 0
+    assert unsalted["meta_info"]["cached_tokens"] == 0
+    assert same["meta_info"]["cached_tokens"] > 0
+    assert other["output_ids"] == same["output_ids"] == unsalted["output_ids"]
+    engine.check_accounting()
