@@ -7,11 +7,11 @@ import time
 
 import torch
 
-from radixlm.kernels import select_attention_backend
 from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.loader import load_model
+from radixlm.runtime.models.attention_backend import select_attention_backend
 from radixlm.runtime.models.quant import quantize_model
 from radixlm.runtime.server_args import ServerArgs
 
