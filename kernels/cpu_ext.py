@@ -1,60 +1,126 @@
-"""The C++ CPU kernels (kernels/csrc), compiled once per machine with torch's extension builder.
+"""The C++ CPU kernels (kernels/csrc), compiled with torch's extension builder.
 
 They are optional: every caller has a PyTorch path for when they are missing, and the C++ ones
-are used only for CPU tensors.
+are used only for CPU tensors. The engine builds them at start-up (before it reports ready), so
+no request waits for the compiler.
 
-The build lands in the radixlm cache, keyed by torch version and CPU features (it is compiled
-with -march=native). Without a C++ compiler the build fails and callers fall back to the
-PyTorch path; ``make setup`` builds it ahead of time so the first engine start does not wait.
+The build lands in the radixlm cache, in a folder named by a hash of what decides the binary:
+the sources' content, the compiler and its flags, the torch and Python versions and the CPU's
+features (it is compiled with -march=native). The sources are copied into that folder and built
+from there, so checkouts with the same sources share one build, and changed sources never load
+a stale one. When the build fails (no compiler, no headers...), one warning is logged and the
+callers use the PyTorch path.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import sys
 import sysconfig
+import tempfile
+import threading
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
+from radixlm.kernels.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+_COMPILED = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp")
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+_UNSET = object()
+_module: ModuleType | None | object = _UNSET
+_lock = threading.Lock()
 
 
-def _cpu_key() -> str:
+def source_files(csrc: Path = CSRC) -> list[Path]:
+    """Every file the build reads (sources and headers), in a fixed order."""
+    return sorted(p for p in csrc.iterdir() if p.is_file() and p.suffix in (".cpp", ".h", ".hpp"))
+
+
+def _cpu_features() -> str:
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        flags = platform.processor()
-    return hashlib.sha256(f"{torch.__version__}|{platform.machine()}|{flags}".encode()).hexdigest()[:12]
+        return platform.processor()
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_kernels():
-    """The compiled extension module (paged_decode, add_rms_norm, silu_mul, rope), or None when it cannot be built here."""
+def build_key(files: list[Path], cflags: tuple[str, ...] = CFLAGS, ldflags: tuple[str, ...] = LDFLAGS) -> str:
+    """A hash of everything that decides the compiled binary; file paths do not count, contents do."""
+    h = hashlib.sha256()
+    for part in (torch.__version__, sys.version.split()[0], platform.machine(), _cpu_features(), os.environ.get("CXX", "c++"), *cflags, "|", *ldflags):
+        h.update(part.encode() + b"\0")
+    for f in files:
+        data = f.read_bytes()
+        h.update(f"{f.name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def build_folder(files: list[Path] | None = None, root: Path | None = None) -> Path:
+    """The folder that holds (or will hold) the build of ``files`` (default: kernels/csrc)."""
+    files = source_files() if files is None else files
+    return (root or cache_dir()) / "torch_extensions" / f"cpu_kernels_{build_key(files)}"
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled extension module (paged_decode, add_rms_norm, silu_mul, rope), or None when it cannot be built here.
+
+    The first call builds (or finds) it; later calls return the same answer at once.
+    """
+    global _module
+    if _module is _UNSET:
+        with _lock:
+            if _module is _UNSET:
+                _module = _load()
+    return _module  # type: ignore[return-value]
+
+
+def _load() -> ModuleType | None:
+    try:
+        files = source_files()
+        folder = build_folder(files)
+        _copy_sources(files, folder)
+        return _compile(folder)
+    except Exception as exc:  # no compiler, no headers, unwritable cache...: the PyTorch path serves instead
+        logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch path", exc)
+        return None
+
+
+def _copy_sources(files: list[Path], folder: Path) -> None:
+    """Put the sources into the build folder (each file atomically, once), so every checkout builds the same paths."""
+    src = folder / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        dest = src / f.name
+        if dest.is_file():
+            continue  # same key, same content
+        fd, tmp = tempfile.mkstemp(dir=src, prefix=f".{f.name}-")
+        with os.fdopen(fd, "wb") as out:
+            out.write(f.read_bytes())
+        os.replace(tmp, dest)
+
+
+def _compile(folder: Path) -> ModuleType:
     from torch.utils import cpp_extension
-
-    from radixlm.runtime.disk_cache import cache_dir
 
     scripts = sysconfig.get_path("scripts")  # the pip-installed ninja, when no system one is on PATH
     if shutil.which("ninja") is None and Path(scripts, "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    build = cache_dir() / "torch_extensions" / f"cpu_kernels_{_cpu_key()}"
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        return cpp_extension.load(
-            name="radixlm_cpu_kernels",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no headers...: the PyTorch path serves instead
-        logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch path", exc)
-        return None
+    return cpp_extension.load(
+        name="radixlm_cpu_kernels",
+        sources=[str(folder / "src" / name) for name in _COMPILED],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(folder),
+        verbose=False,
+    )

@@ -10,13 +10,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from radixlm.kernels.paths import cache_dir
 
-def cache_dir() -> Path:
-    """Where radixlm keeps derived files (``$RADIXLM_CACHE_DIR`` or ``~/.cache/radixlm``)."""
-    root = os.environ.get("RADIXLM_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "radixlm"
+__all__ = ["cache_dir", "entry_for", "file_digest", "write_entry"]
 
 
 def file_digest(path: str) -> str:

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from radixlm.kernels.attention import AttentionBackend
     from radixlm.radix_cache.pool import KVPool
+    from radixlm.runtime.models.attention_backend import AttentionBackend
 
 
 @dataclass

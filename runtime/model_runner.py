@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from radixlm.kernels import select_attention_backend
+from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.loader import load_model
+from radixlm.runtime.models.attention_backend import select_attention_backend
 from radixlm.runtime.models.quant import quantize_model
 from radixlm.runtime.server_args import ServerArgs
 
@@ -38,6 +40,8 @@ class ModelRunner:
         self.args = args
         self.device = torch.device(args.resolved_device())
         self.dtype = args.resolved_dtype(self.device)
+        if self.device.type == "cpu":
+            self._build_cpu_kernels()
         self.model, self.config = load_model(model_path, self.dtype, self.device)
         if args.quantization:
             quantize_model(self.model, args.quantization)
@@ -60,6 +64,13 @@ class ModelRunner:
             self.kv_pool.nbytes() / 2**20,
             type(self.attn_backend).__name__,
         )
+
+    @staticmethod
+    def _build_cpu_kernels() -> None:
+        """Compile (or find) the C++ CPU kernels now, so no request waits for the compiler."""
+        t0 = time.perf_counter()
+        ext = cpu_kernels()
+        logger.info("C++ CPU kernels %s in %.1f s", "ready" if ext is not None else "unavailable", time.perf_counter() - t0)
 
     def _pool_size(self) -> int:
         page = self.args.page_size

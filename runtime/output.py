@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 from radixlm.runtime.request import Req, ReqOutput
@@ -14,6 +15,10 @@ class OutputBuilder:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._texts = _TokenTexts(tokenizer)
+        # Per-request logprob entries, built once each; a request that vanishes unfinished
+        # (its loop stopped) takes its entry with it.
+        self._logs: weakref.WeakKeyDictionary[Req, _LogprobLog] = weakref.WeakKeyDictionary()
 
     def update_text(self, req: Req, final: bool) -> str | None:
         """Bring ``req.text`` up to date; returns the stop string found in the new text, if any.
@@ -45,7 +50,13 @@ class OutputBuilder:
         return None
 
     def build(self, req: Req, finished: bool) -> ReqOutput:
-        """The cumulative output of ``req`` as of now."""
+        """The output of ``req`` as of now: cumulative text and ids; logprobs as described below.
+
+        A non-streamed request's output carries every logprob entry. A streamed request's
+        outputs (its final one included) carry only the entries new since its previous output,
+        so concatenating the lists of every chunk gives the non-streamed result and each step
+        costs time in proportion to its new tokens, not to the output so far.
+        """
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.input_ids),
@@ -56,25 +67,78 @@ class OutputBuilder:
         }
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival
+        offsets = (0, 0)
         if req.return_logprob:
-            with_text = req.return_text_in_logprobs
-            meta["input_token_logprobs"] = self._triples(req.input_logprobs, req.input_ids[len(req.input_ids) - len(req.input_logprobs) :], with_text)
-            meta["output_token_logprobs"] = self._triples(req.output_logprobs, req.output_ids, with_text)
-            if req.top_logprobs_num:
-                meta["input_top_logprobs"] = [self._tops(t, with_text) for t in req.input_top_logprobs]
-                meta["output_top_logprobs"] = [self._tops(t, with_text) for t in req.output_top_logprobs]
-        return ReqOutput(req.rid, req.text, list(req.output_ids), meta, finished)
+            log = self._logs.get(req)
+            if log is None:
+                log = self._logs[req] = _LogprobLog()
+            log.catch_up(req, self._texts if req.return_text_in_logprobs else None)
+            offsets = log.emit(meta, incremental=req.stream, with_tops=req.top_logprobs_num > 0)
+            if finished:
+                del self._logs[req]
+        return ReqOutput(req.rid, req.text, list(req.output_ids), meta, finished, input_logprob_offset=offsets[0], output_logprob_offset=offsets[1])
 
-    def _token_text(self, token_id: int, with_text: bool) -> str | None:
-        return self.tokenizer.decode([token_id]) if with_text else None
 
-    def _triples(self, logprobs: list, ids: list[int], with_text: bool) -> list[tuple]:
-        return [(lp, tid, self._token_text(tid, with_text)) for lp, tid in zip(logprobs, ids)]
+class _TokenTexts:
+    """The text of single tokens, decoded once per token id."""
 
-    def _tops(self, tops: list | None, with_text: bool) -> list[tuple] | None:
-        if tops is None:
-            return None
-        return [(lp, tid, self._token_text(tid, with_text)) for lp, tid in tops]
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class _LogprobLog:
+    """One request's logprob entries built so far, and how many of them were already sent.
+
+    Entries are ``(logprob, token id, text or None)`` triples; the text is filled only when
+    ``return_text_in_logprobs`` is on. Prompt entries cover ``input_ids[logprob_start_len:]``.
+    """
+
+    def __init__(self) -> None:
+        self.input: list[tuple] = []
+        self.input_tops: list[list[tuple] | None] = []
+        self.output: list[tuple] = []
+        self.output_tops: list[list[tuple] | None] = []
+        self.sent_input = 0
+        self.sent_output = 0
+
+    def catch_up(self, req: Req, text_of: _TokenTexts | None) -> None:
+        """Build the entries of the logprobs ``req`` gained since the last call (only those)."""
+        start = max(req.logprob_start_len, 0)
+        for i in range(len(self.input), len(req.input_logprobs)):
+            self.input.append(_triple(req.input_logprobs[i], req.input_ids[start + i], text_of))
+            self.input_tops.append(_tops(req.input_top_logprobs[i], text_of))
+        for i in range(len(self.output), len(req.output_logprobs)):
+            self.output.append(_triple(req.output_logprobs[i], req.output_ids[i], text_of))
+            self.output_tops.append(_tops(req.output_top_logprobs[i], text_of))
+
+    def emit(self, meta: dict[str, Any], incremental: bool, with_tops: bool) -> tuple[int, int]:
+        """Put the entries to send into ``meta``; returns the (input, output) index of the first one."""
+        first_in = self.sent_input if incremental else 0
+        first_out = self.sent_output if incremental else 0
+        meta["input_token_logprobs"] = self.input[first_in:]
+        meta["output_token_logprobs"] = self.output[first_out:]
+        if with_tops:
+            meta["input_top_logprobs"] = self.input_tops[first_in:]
+            meta["output_top_logprobs"] = self.output_tops[first_out:]
+        self.sent_input, self.sent_output = len(self.input), len(self.output)
+        return first_in, first_out
+
+
+def _triple(logprob: float | None, token_id: int, text_of: _TokenTexts | None) -> tuple:
+    return (logprob, token_id, text_of(token_id) if text_of is not None else None)
+
+
+def _tops(tops: list | None, text_of: _TokenTexts | None) -> list[tuple] | None:
+    if tops is None:
+        return None
+    return [_triple(lp, tid, text_of) for lp, tid in tops]
 
 
 def _partial_stop_suffix(text: str, stops: list[str]) -> int:

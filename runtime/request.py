@@ -23,13 +23,20 @@ def salt_offset(salt: str) -> int:
 
 @dataclass
 class ReqOutput:
-    """What the engine reports about a request after a step (cumulative, not a delta)."""
+    """What the engine reports about a request after a step.
+
+    ``text`` and ``output_ids`` are cumulative. The logprob lists of ``meta_info`` are
+    cumulative for a non-streamed request; a streamed request's outputs carry only the entries
+    new since its previous output (prompt entries once), starting at the offsets below.
+    """
 
     rid: str
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
     finished: bool
+    input_logprob_offset: int = 0  # index (from logprob_start_len) of the first prompt entry carried
+    output_logprob_offset: int = 0  # index of the output token whose entry comes first
 
 
 @dataclass

@@ -77,15 +77,28 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def update(self, output_ids: list[int], final: bool = False) -> str:
-        """Append the text of new ids (``output_ids`` is the whole output so far); returns the delta."""
-        ids = self.context + output_ids
-        if len(ids) <= self.read_offset:
+        """Append the text of new ids (``output_ids`` is the whole output so far); returns the delta.
+
+        Only the ids from ``prefix_offset`` on are decoded, and the output list is never copied
+        whole, so each call costs time in proportion to the new tokens.
+        """
+        total = len(self.context) + len(output_ids)
+        if total <= self.read_offset:
             return ""
-        before = self._decode(ids[self.prefix_offset : self.read_offset])
-        after = self._decode(ids[self.prefix_offset :])
+        window = self._window(output_ids, self.prefix_offset, total)
+        split = self.read_offset - self.prefix_offset
+        before = self._decode(window[:split])
+        after = self._decode(window)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
             delta = after[len(before) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            self.prefix_offset, self.read_offset = self.read_offset, total
             self.text += delta
             return delta
         return ""
+
+    def _window(self, output_ids: list[int], lo: int, hi: int) -> list[int]:
+        """Ids ``lo:hi`` of the sequence context + output, without building that sequence."""
+        c = len(self.context)
+        if lo >= c:
+            return output_ids[lo - c : hi - c]
+        return self.context[lo:] + output_ids[: hi - c]

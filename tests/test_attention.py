@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixlm.kernels.attention import TorchAttentionBackend, reference_attention
+from radixlm.kernels.attention import reference_attention
 from radixlm.kernels.torch_decode import decode_attention, plan_decode
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.models.attention_backend import TorchAttentionBackend
 
 H, HKV, D, SLOTS = 4, 2, 16, 400
 

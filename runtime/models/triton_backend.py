@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels.attention import AttentionBackend
 from radixlm.kernels.triton_decode import decode_attention, num_kv_splits
 from radixlm.kernels.triton_extend import extend_attention
 from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.models.attention_backend import AttentionBackend
 
 
 @dataclass
