@@ -64,8 +64,15 @@ class GrammarBackend(ABC):
     name: str
 
     @abstractmethod
-    def compile(self, kind: str, spec: str) -> CompiledGrammar:
-        """Compile ``spec`` of ``kind``; raises GrammarError naming what is wrong."""
+    def compile(self, kind: str, spec: str, timeout: float | None = None) -> CompiledGrammar:
+        """Compile ``spec`` of ``kind``; raises GrammarError naming what is wrong.
+
+        ``timeout`` (seconds) lets a backend that can stop a build (a worker process) stop it.
+        """
+
+    def close(self) -> None:
+        """Release what the backend holds (worker processes); compiling afterwards may fail."""
+        return None
 
 
 def bitmask_width(vocab_size: int) -> int:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import torch
 
 from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
 from radixlm.runtime.constrained.specs import (
+    check_finite,
     check_refs,
+    check_regex_size,
     normalize_regex,
     parse_json_schema,
     unsupported_error,
@@ -35,49 +38,99 @@ class LLGuidanceMatcher(Matcher):
     matcher in an error state, where it stops and allows only end tokens; ``error()`` exposes
     that, ``is_terminated()`` never mistakes it for a finished grammar, and the grammar it came
     from is marked so later requests get a freshly built one (the lexer's state is shared).
+    The per-step methods never raise: an exception from the library becomes ``error()`` and the
+    matcher fails closed (no token allowed).
     """
 
     def __init__(self, matcher, grammar: LLGuidanceGrammar | None = None) -> None:
         self._m = matcher
         self._grammar = grammar
+        self._failure: str | None = None
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        if self._failure is None:
+            self._failure = f"llguidance {what} failed: {type(exc).__name__}: {exc}"
 
     def accept(self, token: int) -> bool:
         """Consume ``token`` if the grammar allows it."""
-        return self._m.try_consume_tokens([token]) == 1
+        if self._failure is not None:
+            return False
+        try:
+            return self._m.try_consume_tokens([token]) == 1
+        except Exception as exc:
+            self._fail("accept", exc)
+            return False
 
     def accept_many(self, tokens: list[int]) -> int:
         """Consume as many of ``tokens`` as the grammar allows, in order; returns how many."""
-        return self._m.try_consume_tokens(tokens)
+        if self._failure is not None:
+            return 0
+        try:
+            return self._m.try_consume_tokens(tokens)
+        except Exception as exc:
+            self._fail("accept", exc)
+            return 0
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the next step's allowed tokens into ``bitmask[row]``."""
+        """Write the next step's allowed tokens into ``bitmask[row]`` (none once failed)."""
         v = bitmask[row]
-        self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+        if self._failure is None:
+            try:
+                self._m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+                return
+            except Exception as exc:
+                self._fail("fill_bitmask", exc)
+        v.zero_()
 
     def is_terminated(self) -> bool:
         """True when only end-of-sequence may follow (and not because of an error)."""
-        return self._m.is_stopped() and not self._m.is_error()
+        if self._failure is not None:
+            return False
+        try:
+            return self._m.is_stopped() and not self._m.is_error()
+        except Exception as exc:
+            self._fail("is_terminated", exc)
+            return False
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` tokens."""
-        if num_tokens:
-            self._m.rollback(num_tokens)
+        """Undo the last ``num_tokens`` tokens (a failure shows in ``error()``)."""
+        if num_tokens and self._failure is None:
+            try:
+                if not self._m.rollback(num_tokens):
+                    self._failure = f"llguidance cannot roll back {num_tokens} tokens"
+            except Exception as exc:
+                self._fail("rollback", exc)
 
     def forced_text(self) -> str:
-        """The forced continuation (complete UTF-8 characters only)."""
-        return _utf8_prefix(self._m.compute_ff_bytes())
+        """The forced continuation (complete UTF-8 characters only; '' once failed)."""
+        if self._failure is not None:
+            return ""
+        try:
+            return _utf8_prefix(self._m.compute_ff_bytes())
+        except Exception as exc:
+            self._fail("forced_text", exc)
+            return ""
 
     def copy(self) -> LLGuidanceMatcher:
         """An independent copy."""
-        return LLGuidanceMatcher(self._m.deep_copy(), self._grammar)
+        twin = LLGuidanceMatcher(self._m.deep_copy(), self._grammar)
+        twin._failure = self._failure
+        return twin
 
     def error(self) -> str | None:
-        """The matcher's error message once it entered its error state."""
-        if not self._m.is_error():
-            return None
+        """Why this matcher failed: the library's error state, or an exception it raised."""
+        if self._failure is not None:
+            return self._failure
+        try:
+            if not self._m.is_error():
+                return None
+            message = self._m.get_error()
+        except Exception as exc:
+            self._fail("error", exc)
+            return self._failure
         if self._grammar is not None:
-            self._grammar.poisoned = True
-        return self._m.get_error()
+            self._grammar.mark_poisoned()
+        return message
 
     @property
     def raw(self):
@@ -90,22 +143,39 @@ class LLGuidanceGrammar(CompiledGrammar):
 
     The template computes its first mask at compile time and every copy computes its own once
     when made, so the lexer's (sometimes slow) first steps run on the caller's thread, never on
-    the scheduler's.
+    the scheduler's. The template and the poisoned flag are shared between the threads that make
+    matchers and the engine thread that marks the grammar poisoned: one lock guards both, and a
+    poisoned template is rebuilt once, by whichever caller comes first.
     """
 
     def __init__(self, template, build) -> None:
         self._build = build
         self._template = template
         self._template.compute_bitmask()
-        self.poisoned = False
+        self._poisoned = False
+        self._lock = threading.Lock()
+        self.rebuilds = 0
+
+    @property
+    def poisoned(self) -> bool:
+        """True when a matcher hit a limit in the shared lexer and the next matcher starts over."""
+        with self._lock:
+            return self._poisoned
+
+    def mark_poisoned(self) -> None:
+        """Have the next ``matcher()`` rebuild the template (safe from any thread)."""
+        with self._lock:
+            self._poisoned = True
 
     def matcher(self) -> LLGuidanceMatcher:
         """A fresh matcher at the grammar's start, its first mask already computed once."""
-        if self.poisoned:  # a matcher hit a limit in the shared lexer: start over from the grammar
-            self._template = self._build()
-            self._template.compute_bitmask()
-            self.poisoned = False
-        m = self._template.deep_copy()
+        with self._lock:
+            if self._poisoned:
+                template = self._build()
+                template.compute_bitmask()
+                self._template, self._poisoned = template, False
+                self.rebuilds += 1
+            m = self._template.deep_copy()
         m.compute_bitmask()
         return LLGuidanceMatcher(m, self)
 
@@ -128,10 +198,12 @@ class LLGuidanceBackend(GrammarBackend):
     def _grammar(self, kind: str, spec: str) -> tuple[str, object]:
         LLMatcher = self._LLMatcher
         if kind == "regex":
+            check_regex_size(spec)
             return LLMatcher.grammar_from_regex(normalize_regex(spec)), None
         if kind == "json_schema":
             schema = parse_json_schema(spec)
             check_refs(schema)
+            check_finite(schema)
             try:
                 return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=dict(self.json_options)), schema
             except ValueError as exc:
@@ -148,8 +220,13 @@ class LLGuidanceBackend(GrammarBackend):
             return LLMatcher.grammar_from_lark(lark), None
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
-    def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
-        """Build and validate the grammar; GrammarError names the offending keyword or syntax."""
+    def compile(self, kind: str, spec: str, timeout: float | None = None) -> LLGuidanceGrammar:
+        """Build and validate the grammar; GrammarError names the offending keyword or syntax.
+
+        A grammar that allows nothing at its start (``root ::= root``, ``{"$ref": "#"}``: the
+        library's first mask is an error, or empty) is refused here rather than at generation.
+        ``timeout`` is not used: llguidance's own limits end its builds.
+        """
         grammar, schema = self._grammar(kind, spec)
         is_error, messages = self._LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
@@ -157,7 +234,11 @@ class LLGuidanceBackend(GrammarBackend):
         template = self._LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise self._error(kind, template.get_error(), schema)
-        return LLGuidanceGrammar(template, lambda: self._LLMatcher(self.tokenizer, grammar, log_level=0))
+        compiled = LLGuidanceGrammar(template, lambda: self._LLMatcher(self.tokenizer, grammar, log_level=0))
+        if template.is_error() or not any(template.compute_bitmask()):
+            reason = template.get_error().strip().splitlines()[0] if template.is_error() else "no token is allowed"
+            raise GrammarError(f"{kind} can produce no output at all ({reason}): a rule or $ref that only refers to itself?")
+        return compiled
 
     def _error(self, kind: str, message: str, schema) -> GrammarError:
         m = _UNIMPLEMENTED.search(message)

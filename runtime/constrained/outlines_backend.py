@@ -11,16 +11,26 @@ import json
 
 import torch
 
-from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained import outlines_worker
+from radixlm.runtime.constrained.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    Matcher,
+    bitmask_width,
+)
 from radixlm.runtime.constrained.specs import (
     ANNOTATIONS,
+    check_finite,
     check_refs,
+    check_regex_size,
     iter_keywords,
     normalize_regex,
     parse_json_schema,
     unsupported_error,
 )
 from radixlm.runtime.constrained.vocab import token_bytes
+from radixlm.runtime.constrained.workers import WorkerCrashed, WorkerPool, WorkerTimeout
 
 # What outlines-core's schema-to-regex translation enforces. Integer/number bounds, allOf,
 # oneOf's "exactly one", uniqueItems, patternProperties, not, if/then/else ... are not.
@@ -48,55 +58,65 @@ _MAX_ROLLBACK = 64
 
 
 class CharFSM:
-    """interegular's character FSM of a regex: tracks text and reports forced characters."""
+    """A character DFA of a regex (interegular's, as plain tables): tracks text, reports forced characters."""
 
-    def __init__(self, regex: str) -> None:
-        import interegular
-
-        self.fsm = interegular.parse_pattern(regex).to_fsm()
-        self.anything_else = interegular.fsm.anything_else
-        self.chars = {sym: chars for sym, chars in self.fsm.alphabet.by_transition.items()}
+    def __init__(self, tables: tuple) -> None:
+        self.initial, self.finals, self.map, self._symbol_of, self._other, self._single = tables
 
     def step(self, state: int | None, text: str) -> int | None:
         """The state after reading ``text`` (None once the text left the language)."""
         for ch in text:
             if state is None:
                 return None
-            sym = self.fsm.alphabet[ch] if ch in self.fsm.alphabet else self.fsm.alphabet[self.anything_else]
-            state = self.fsm.map.get(state, {}).get(sym)
+            sym = self._symbol_of.get(ch, self._other)
+            state = None if sym is None else self.map.get(state, {}).get(sym)
         return state
 
     def forced(self, state: int | None, limit: int = 256) -> str:
         """Characters that must come next: while the state is not final and has one single-char exit."""
         out: list[str] = []
-        while state is not None and state not in self.fsm.finals and len(out) < limit:
-            exits = self.fsm.map.get(state, {})
+        while state is not None and state not in self.finals and len(out) < limit:
+            exits = self.map.get(state, {})
             if len(exits) != 1:
                 break
             sym, nxt = next(iter(exits.items()))
-            chars = self.chars.get(sym, [])
-            if len(chars) != 1 or chars[0] is self.anything_else:
+            if sym not in self._single:
                 break
-            out.append(chars[0])
+            out.append(self._single[sym])
             state = nxt
         return "".join(out)
 
 
 class OutlinesMatcher(Matcher):
-    """A request's state: the token-level guide plus the character FSM for forced text."""
+    """A request's state: the token-level guide plus the character FSM for forced text.
+
+    The per-step methods never raise: an exception from outlines-core (e.g. a rollback past its
+    history) becomes ``error()`` and the matcher fails closed (no token allowed).
+    """
 
     def __init__(self, guide, token_text: dict[int, bytes], charfsm: CharFSM | None) -> None:
         self._guide = guide
         self._bytes = token_text
         self._fsm = charfsm
-        self._states = [charfsm.fsm.initial if charfsm else None]
+        self._states = [charfsm.initial if charfsm else None]
         self._pending = [b""]  # undecoded UTF-8 tail after each token
+        self._failure: str | None = None
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        if self._failure is None:
+            self._failure = f"outlines {what} failed: {type(exc).__name__}: {exc}"
 
     def accept(self, token: int) -> bool:
         """Advance if ``token`` is allowed."""
-        if not self._guide.accepts_tokens([token]):
+        if self._failure is not None:
             return False
-        self._guide.advance(token, return_tokens=False)
+        try:
+            if not self._guide.accepts_tokens([token]):
+                return False
+            self._guide.advance(token, return_tokens=False)
+        except Exception as exc:
+            self._fail("accept", exc)
+            return False
         if self._fsm is not None:
             data = self._pending[-1] + self._bytes.get(token, b"")
             text, rest = _split_utf8(data)
@@ -105,25 +125,42 @@ class OutlinesMatcher(Matcher):
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed tokens into ``bitmask[row]``."""
+        """Write the allowed tokens into ``bitmask[row]`` (none once failed)."""
         v = bitmask[row]
-        self._guide.write_mask_into(v.data_ptr(), v.numel(), v.element_size())
+        if self._failure is None:
+            try:
+                self._guide.write_mask_into(v.data_ptr(), v.numel(), v.element_size())
+                return
+            except Exception as exc:
+                self._fail("fill_bitmask", exc)
+        v.zero_()
 
     def is_terminated(self) -> bool:
         """True when only EOS may follow."""
-        return self._guide.is_finished()
+        if self._failure is not None:
+            return False
+        try:
+            return self._guide.is_finished()
+        except Exception as exc:
+            self._fail("is_terminated", exc)
+            return False
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` tokens."""
-        if num_tokens:
+        """Undo the last ``num_tokens`` tokens (a failure shows in ``error()``)."""
+        if not num_tokens or self._failure is not None:
+            return
+        try:
             self._guide.rollback_state(num_tokens)
-            if self._fsm is not None:
-                del self._states[-num_tokens:]
-                del self._pending[-num_tokens:]
+        except Exception as exc:
+            self._fail("rollback", exc)
+            return
+        if self._fsm is not None:
+            del self._states[-num_tokens:]
+            del self._pending[-num_tokens:]
 
     def forced_text(self) -> str:
         """Forced characters from the character FSM ('' with a partial UTF-8 character pending)."""
-        if self._fsm is None or self._pending[-1]:
+        if self._fsm is None or self._pending[-1] or self._failure is not None:
             return ""
         return self._fsm.forced(self._states[-1])
 
@@ -132,8 +169,12 @@ class OutlinesMatcher(Matcher):
         import copy
 
         twin = OutlinesMatcher(copy.deepcopy(self._guide), self._bytes, self._fsm)
-        twin._states, twin._pending = list(self._states), list(self._pending)
+        twin._states, twin._pending, twin._failure = list(self._states), list(self._pending), self._failure
         return twin
+
+    def error(self) -> str | None:
+        """Why this matcher failed (an exception from outlines-core), or None."""
+        return self._failure
 
 
 def _split_utf8(data: bytes) -> tuple[str, bytes]:
@@ -159,26 +200,35 @@ class OutlinesGrammar(CompiledGrammar):
 
 
 class OutlinesBackend(GrammarBackend):
-    """Compiles regexes and JSON schemas with outlines-core (no EBNF)."""
+    """Compiles regexes and JSON schemas with outlines-core (no EBNF).
+
+    The index and the character FSM are built in worker processes (``workers.py``), each given
+    the vocabulary once: both builds can run for minutes on some regexes, and a worker past the
+    compile timeout is killed rather than left running.
+    """
 
     name = "outlines"
+    default_timeout = 30.0  # when compile() is called without one
 
     def __init__(self, hf_tokenizer, vocab_size: int, end_ids: set[int], whitespace_pattern: str | None = None) -> None:
         import outlines_core
 
         self._oc = outlines_core
+        self.vocab_size = vocab_size
         eos = hf_tokenizer.eos_token_id if hf_tokenizer.eos_token_id is not None else min(end_ids)
         self._bytes = {t: b for t, b in token_bytes(hf_tokenizer).items() if t < vocab_size and t not in end_ids and b}
         groups: dict[bytes, list[int]] = {}
         for tid, data in self._bytes.items():
             groups.setdefault(data, []).append(tid)
-        self.vocabulary = outlines_core.Vocabulary(eos, groups)
+        self.workers = WorkerPool(outlines_worker.__file__, (eos, groups))
+        self.workers.warm()
         self.whitespace_pattern = whitespace_pattern if whitespace_pattern is not None else ""
 
     def schema_regex(self, spec: str) -> str:
         """The regex outlines-core builds for a JSON schema, after checking it is enforceable."""
         schema = parse_json_schema(spec)
         check_refs(schema)
+        check_finite(schema)
         bad = {k for k, _ in iter_keywords(schema) if k not in ENFORCED and k not in ANNOTATIONS}
         if _unknown_format(schema):
             bad.add("format")
@@ -192,28 +242,39 @@ class OutlinesBackend(GrammarBackend):
         except Exception as exc:
             raise GrammarError(f"json_schema: {exc}") from None
 
-    def compile(self, kind: str, spec: str) -> OutlinesGrammar:
-        """Compile to an outlines-core index; GrammarError on bad or unsupported specs."""
+    def compile(self, kind: str, spec: str, timeout: float | None = None) -> OutlinesGrammar:
+        """Compile to an outlines-core index in a worker; GrammarError on bad, unsupported,
+        too large or empty specs, and on a build that runs past ``timeout`` seconds."""
         if kind == "ebnf":
             raise GrammarError("ebnf grammars need the llguidance backend (--grammar-backend llguidance)")
         if kind == "json_schema":
             regex = self.schema_regex(spec)
+            check_regex_size(regex, "the regex of this json_schema")
         elif kind == "regex":
+            check_regex_size(spec)
             regex = spec
         else:
             raise GrammarError(f"unknown constraint kind {kind!r}")
-        regex = normalize_regex(regex)
+        limit = self.default_timeout if timeout is None else timeout
         try:
-            # outlines-core's automaton otherwise stops at the first point where the regex has
-            # matched (e.g. after "a.bc" for [a-z.]+\.[a-z]{2}), refusing valid longer text.
-            index = self._oc.Index(f"(?:{regex})$", self.vocabulary)
-        except Exception as exc:
-            raise GrammarError(f"invalid {kind}: {exc}") from None
-        try:
-            charfsm = CharFSM(regex)
-        except Exception:  # interegular cannot parse it: no jump-forward for this grammar
-            charfsm = None
-        return OutlinesGrammar(index, self._bytes, charfsm)
+            status, answer = self.workers.run(normalize_regex(regex), limit)
+        except WorkerTimeout:
+            raise GrammarError(f"{kind} took longer than {limit:g} s to compile (grammar_compile_timeout)") from None
+        except (WorkerCrashed, RuntimeError) as exc:
+            raise GrammarError(f"{kind} could not be compiled: {exc}") from None
+        if status != "ok":
+            raise GrammarError(f"invalid {kind}: {answer}")
+        index, tables = answer
+        compiled = OutlinesGrammar(index, self._bytes, CharFSM(tables) if tables is not None else None)
+        bitmask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
+        compiled.matcher().fill_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise GrammarError(f"{kind} can produce no output at all: no token is allowed at its start")
+        return compiled
+
+    def close(self) -> None:
+        """Kill the worker processes."""
+        self.workers.close()
 
 
 def _unknown_format(schema) -> bool:

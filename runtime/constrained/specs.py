@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -128,3 +129,125 @@ def normalize_regex(regex: str) -> str:
             out.append(c)
         i += 1
     return "".join(out)
+
+
+# A regex is refused when its expanded size (counted repetitions multiplied out) passes this:
+# outlines-core builds every repetition eagerly (``a{100000}`` did not finish in 20 s) and
+# llguidance's first mask for ``(a{1000}){3000}`` took 4 s on the caller's thread.
+MAX_REGEX_SIZE = 20_000
+_QUANTIFIER = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def regex_size(regex: str) -> int:
+    """An upper estimate of the pieces ``regex`` expands to once counted repetitions are unrolled."""
+    frames = [[0, 0, 0]]  # per open group: size of finished alternatives, of this one, of its last atom
+    i, n = 0, len(regex)
+    while i < n:
+        c = regex[i]
+        frame = frames[-1]
+        atom = 1
+        if c == "\\":
+            i += 2
+        elif c == "[":
+            i += 1
+            if regex[i : i + 1] == "^":
+                i += 1
+            if regex[i : i + 1] == "]":
+                i += 1
+            while i < n and regex[i] != "]":
+                i += 2 if regex[i] == "\\" else 1
+            i += 1
+        elif c == "(":
+            frames.append([0, 0, 0])
+            i += 1
+            if regex[i : i + 2] == "?:":
+                i += 2
+            continue
+        elif c == ")" and len(frames) > 1:
+            done = frames.pop()
+            frame = frames[-1]
+            atom = done[0] + done[1]
+            i += 1
+        elif c == "|":
+            frame[0] += frame[1]
+            frame[1] = frame[2] = 0
+            i += 1
+            continue
+        elif c in "*+?":
+            i += 1
+            continue
+        elif c == "{" and (m := _QUANTIFIER.match(regex, i)):
+            low, comma, high = int(m.group(1)), m.group(2), m.group(3)
+            times = max(low, int(high)) if high else low + 1 if comma else low
+            frame[1] += frame[2] * (times - 1)
+            frame[2] *= times
+            i = m.end()
+            continue
+        else:
+            i += 1
+        frame[1] += atom
+        frame[2] = atom
+    return sum(f[0] + f[1] for f in frames)
+
+
+def check_regex_size(regex: str, what: str = "regex") -> None:
+    """Raise GrammarError when ``regex`` expands past MAX_REGEX_SIZE."""
+    size = regex_size(regex)
+    if size > MAX_REGEX_SIZE:
+        raise GrammarError(f"{what} is too large: it expands to about {size:,} pieces, over the limit of {MAX_REGEX_SIZE:,} (MAX_REGEX_SIZE)")
+
+
+def check_finite(schema: Any) -> None:
+    """Raise GrammarError when no finite JSON value satisfies ``schema`` (a ``$ref`` cycle that
+    every instance must take, e.g. ``{"$ref": "#"}`` or a required property referring back).
+
+    Computes which references can be satisfied by a finite value (least fixpoint), counting a
+    subschema as unsatisfiable only when sure: a ``false`` schema, an empty ``enum``, a reference
+    to an unsatisfiable schema, ``allOf`` with such a member, ``anyOf``/``oneOf`` with only such
+    members, an object requiring such a property, an array needing at least one such item.
+    """
+    refs = {value for key, path in iter_keywords(schema) if key == "$ref" for value in [_at(schema, path).get("$ref")] if isinstance(value, str)}
+    finite: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for ref in refs - finite:
+            target = _at(schema, ref[1:] or "/")
+            if target is not _MISSING and _satisfiable(target, finite):
+                finite.add(ref)
+                changed = True
+    if not _satisfiable(schema, finite):
+        cycle = sorted(refs - finite)
+        raise GrammarError(f"json_schema has no finite instance: every value must go through the $ref cycle {cycle}")
+
+
+def _satisfiable(node: Any, finite: set[str]) -> bool:
+    if isinstance(node, bool):
+        return node
+    if not isinstance(node, dict):
+        return True
+    if isinstance(node.get("$ref"), str) and node["$ref"] not in finite:
+        return False
+    if isinstance(node.get("enum"), list) and not node["enum"]:
+        return False
+    if isinstance(node.get("allOf"), list) and not all(_satisfiable(s, finite) for s in node["allOf"]):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key] and not any(_satisfiable(s, finite) for s in node[key]):
+            return False
+    kind = node.get("type")
+    if kind == "object":
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if any(name in props and not _satisfiable(props[name], finite) for name in required if isinstance(name, str)):
+            return False
+    if kind == "array":
+        min_items = node.get("minItems", 0)
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        if isinstance(min_items, int) and min_items > 0:
+            needed = prefix[:min_items]
+            if any(not _satisfiable(s, finite) for s in needed):
+                return False
+            if min_items > len(prefix) and isinstance(node.get("items"), (dict, bool)) and not _satisfiable(node["items"], finite):
+                return False
+    return True
