@@ -39,6 +39,8 @@ class RunDefaults:
     return_text_in_logprobs: bool | None = None
 
 
+_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs")
+
 def _label(expr: ir.Expr) -> str:
     if isinstance(expr, (ir.Gen, ir.Select)):
         return expr.label
@@ -259,7 +261,11 @@ class StreamExecutor:
 
     def _stream(self, name: str | None, prompt: str, params: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         shown, out = 0, None
+        logprobs: dict[str, list] = {}  # streamed chunks carry only the entries new since the last
         for out in self.backend.generate_stream(prompt, params, **options):
+            for key in _LOGPROB_KEYS:
+                if out["meta_info"].get(key) is not None:
+                    logprobs.setdefault(key, []).extend(out["meta_info"][key])
             with self.cond:
                 self.transcript.append(out["text"][shown:])
                 shown = len(out["text"])
@@ -269,7 +275,7 @@ class StreamExecutor:
         if out is None:
             raise RuntimeError("the stream ended without output")
         _check_finished(out)
-        return out
+        return {**out, "meta_info": {**out["meta_info"], **logprobs}}
 
     def _gen_call(self, g: ir.Gen) -> None:
         run_level = {k: v for k, v in self.defaults.sampling_params.items() if k != "stop"}  # a run's stop must not cut the call

@@ -173,8 +173,8 @@ class Engine:
         except Exception:
             logger.exception("aborting requests at shutdown failed")
         with self._in_flight_lock:
-            left, self._in_flight = list(self._in_flight.values()), {}
-        for req in left:  # still queued in the inbox, or lost by a failure above
+            left = list(self._in_flight.values())
+        for req in left:  # still queued in the inbox, or lost by a failure above (the sink unregisters it)
             req.finish = FinishReason("abort", message=message, status=503)
             try:
                 req.sink(ReqOutput(req.rid, req.text, list(req.output_ids), {"id": req.rid, "finish_reason": req.finish.to_dict()}, True))
@@ -289,7 +289,8 @@ class Engine:
     async def attach_grammar_async(self, req: Req) -> None:
         """The awaitable form of ``attach_grammar``."""
         if req.params.constraint is not None:
-            req.grammar = (await self.grammars.compile_async(*req.params.constraint)).matcher()
+            compiled = await self.grammars.compile_async(*req.params.constraint)
+            req.grammar = await asyncio.to_thread(compiled.matcher)  # its first mask is CPU work
 
     def submit(self, req: Req) -> None:
         """Queue a built request on the loop (ValueError when its rid is already in flight)."""

@@ -291,6 +291,16 @@ def test_streaming_yields_the_text_as_it_grows(lang_backend):
     assert "".join(asyncio.run(collect())) == state.text()
 
 
+def test_a_streamed_gen_keeps_every_logprob(lang_backend):
+    streamed = story.run(backend=lang_backend, stream=True, temperature=0, return_logprob=True, top_logprobs_num=2)
+    streamed.text()  # wait for the end
+    whole = story.run(backend=lang_backend, temperature=0, return_logprob=True, top_logprobs_num=2)
+    got, want = streamed.get_meta_info("story"), whole.get_meta_info("story")
+    assert len(got["output_token_logprobs"]) == 12
+    assert [t[1] for t in got["output_token_logprobs"]] == [t[1] for t in want["output_token_logprobs"]]
+    assert len(got["output_top_logprobs"]) == 12
+
+
 # ------------------------------------------------------------------------ tool agent
 @sgl.tool
 def population(city: Literal["Paris", "Tokyo", "Lima"]) -> int:

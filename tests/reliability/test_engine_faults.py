@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import time
 
 import pytest
 
@@ -13,7 +12,7 @@ import radixlm
 from radixlm.runtime.engine import EngineError
 from radixlm.runtime.faults import STAGES
 
-GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 PROMPTS = ["The quick brown fox", "Radix trees share", "Once upon a time"]
 
 
@@ -24,18 +23,22 @@ def engine(tiny_llama):
 
 
 def _run_with_one_fault(engine, stage: str, params: dict, stream: bool = False) -> tuple[dict, list[dict]]:
-    """Start three good requests and one that fails at ``stage`` together; return all outputs."""
+    """Submit three good requests and one that fails at ``stage`` back to back (so they share
+    steps); return the failing one's final output and the good ones' outputs."""
+    sinks = [queue.Queue() for _ in range(4)]
+    reqs = [engine.make_request(q.put, prompt=p, sampling_params=GREEDY) for q, p in zip(sinks, PROMPTS)]
+    bad = engine.make_request(sinks[3].put, prompt="Question: what is two", sampling_params=params, rid=f"fault-{stage}-1", stream=stream)
+    engine.attach_grammar(bad)
+    for req in [*reqs[:2], bad, reqs[2]]:
+        engine.submit(req)
 
-    async def main():
-        good = [engine.async_generate(p, GREEDY) for p in PROMPTS]
-        req, q = await engine.start_request(prompt="Question: what is two", sampling_params=params, rid=f"fault-{stage}-1", stream=stream)
-        outs = await asyncio.gather(*good)
-        while True:
-            bad = await q.get()
-            if bad.finished:
-                return bad, outs
+    def final(q):
+        while not (out := q.get(timeout=120)).finished:
+            pass
+        return out
 
-    return asyncio.run(main())
+    outs = [final(q) for q in sinks]
+    return outs[3], [{"output_ids": o.output_ids, "meta_info": o.meta_info} for o in outs[:3]]
 
 
 @pytest.mark.parametrize("stage", [s for s in STAGES if s != "grammar"])
@@ -134,30 +137,33 @@ def test_a_context_length_off_the_page_size_leaks_no_page(tiny_llama):
 def test_a_dead_loop_answers_every_waiter_at_once(tiny_llama):
     eng = radixlm.Engine(model_path=tiny_llama, max_total_tokens=1024)
     try:
-        step = eng.scheduler.step
-        entered = queue.Queue()
+        sched = eng.scheduler
+        step = sched.step
+
+        q_inbox: queue.Queue = queue.Queue()  # its request is still in the inbox when the loop dies
 
         def dying_step():
-            entered.put(True)
             step()
-            raise SystemExit("simulated fatal error")  # not an Exception: nothing per-request catches it
+            if len(sched.waiting) + len(sched.running) >= 2:  # both waiters are in: die now
+                eng.submit(eng.make_request(q_inbox.put, prompt="queued", sampling_params=GREEDY))
+                raise SystemExit("simulated fatal error")  # not an Exception: nothing per-request catches it
 
+        sched.step = dying_step
         q_sync: queue.Queue = queue.Queue()
-        req = eng.make_request(q_sync.put, prompt="a long one", sampling_params={"max_new_tokens": 500, "ignore_eos": True})
-        eng.scheduler.step = dying_step
-        eng.submit(req)
+        eng.submit(eng.make_request(q_sync.put, prompt="a long one", sampling_params={"max_new_tokens": 500, "ignore_eos": True}))
 
         async def waiter():
-            return await eng.async_generate("another", {"max_new_tokens": 500, "ignore_eos": True})
+            req, q = await eng.start_request(prompt="another", sampling_params={"max_new_tokens": 500, "ignore_eos": True})
+            while not (out := await q.get()).finished:
+                pass
+            return out
 
-        start = time.monotonic()
         out = asyncio.run(asyncio.wait_for(waiter(), timeout=120))
-        assert out["meta_info"]["finish_reason"]["status"] == 503
-        final = q_sync.get(timeout=120)
-        while not final.finished:
-            final = q_sync.get(timeout=120)
+        assert out.meta_info["finish_reason"]["status"] == 503
+        while not (final := q_sync.get(timeout=120)).finished:
+            pass
         assert final.meta_info["finish_reason"]["status"] == 503
-        assert time.monotonic() - start < 120
+        assert q_inbox.get(timeout=120).meta_info["finish_reason"]["status"] == 503
         assert not eng.is_alive()
         with pytest.raises(EngineError):
             eng.generate("after", GREEDY)
@@ -204,3 +210,17 @@ def test_cache_salt_keeps_one_clients_prefix_from_another(engine):
     assert same["meta_info"]["cached_tokens"] > 0
     assert other["output_ids"] == same["output_ids"] == unsalted["output_ids"]
     engine.check_accounting()
+
+
+def test_jump_forward_drafts_leave_room_for_the_token_after_them(engine):
+    from radixlm.runtime.request import Req
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    class Forcing:  # a grammar that forces a long text
+        def forced_text(self) -> str:
+            return "forced text here " * 4
+
+    for max_new in (1, 2, 3, 6):
+        req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=max_new), sink=lambda out: None, grammar=Forcing())
+        engine.scheduler.decoder.propose_initial_drafts(req)
+        assert len(req.draft_ids) == max_new - 1  # the verifying pass adds one token past them
