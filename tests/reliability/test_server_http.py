@@ -191,7 +191,11 @@ def test_a_stream_whose_reader_stalled_then_reset_is_aborted(client, server):
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    assert b"data: " in sock.recv(4096)
+    received = b""
+    while b"data: " not in received:  # streaming has started
+        chunk = sock.recv(4096)
+        assert chunk, "the server closed the stream"
+        received += chunk
     start = _stats(client)["forward_passes"]
     deadline = time.monotonic() + DEADLINE
     while _stats(client)["forward_passes"] - start < 1200 and time.monotonic() < deadline:
