@@ -99,8 +99,9 @@ def test_chunked_body_over_the_limit_is_refused_while_reading_with_413(server):
 
 
 def test_health_answers_fast_while_a_15_mib_body_is_parsed_and_tokenized(server, client):
-    body = json.dumps({"prompt": "word " * (3 << 20), "max_tokens": 1}).encode()  # 15 MiB
-    assert len(body) < 16 << 20
+    # 10 MiB of prompt (2M tokens: seconds of tokenization) and 5 MiB of an ignored field
+    body = json.dumps({"prompt": "word " * (2 << 20), "max_tokens": 1, "user": "u" * (5 << 20)}).encode()
+    assert (15 << 20) <= len(body) < 16 << 20
     result: list[httpx.Response] = []
     big = threading.Thread(target=lambda: result.append(httpx.post(server.base_url + "/v1/completions", content=body, timeout=300)))
     big.start()
@@ -111,9 +112,8 @@ def test_health_answers_fast_while_a_15_mib_body_is_parsed_and_tokenized(server,
         worst = max(worst, time.monotonic() - t0)
         time.sleep(0.05)
     big.join()
-    assert worst < 5.0, f"/health took {worst:.2f} s while a large body was handled"
-    _is_openai_error(result[0], 400)
-    assert "context length" in result[0].json()["message"]
+    assert worst < 3.0, f"/health took {worst:.2f} s while a large body was handled"
+    assert result[0].status_code == 400 and "context length" in result[0].json()["message"], result[0].text[:300]
 
 
 def test_lone_surrogates_are_a_400_naming_the_field_and_leak_no_admission_slot(client):
