@@ -1,6 +1,5 @@
-"""What every HTTP route shares: OpenAI-shaped errors, admission, JSON bodies, waiting and SSE.
+"""What the generating routes share: admission, waiting for outputs, and server-sent events.
 
-Every failure is an OpenAI-shaped body ``{"object": "error", "message", "type", "param", "code"}``.
 A handler reserves room with a ``Ticket`` (admission slots, the client's rids, the requests it
 starts); closing the ticket gives everything back and aborts only what this handler started and
 has not finished, so a failure anywhere between admission and the response never leaks a slot.
@@ -10,168 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.responses import StreamingResponse
 
 from radixlm.runtime.engine import Engine, EngineError
+from radixlm.runtime.http_errors import APIError, bad_request, error_body
 from radixlm.runtime.metrics import ServerMetrics
-from radixlm.runtime.protocol import ErrorResponse
 from radixlm.runtime.request import ReqOutput
-from radixlm.runtime.sampling_params import SamplingParams
-
-MAX_BODY_BYTES = 16 << 20
-MAX_JSON_DEPTH = 128  # deeper bodies are refused before anything recurses over them
-THREAD_PARSE_BYTES = 64 << 10  # bodies above this are parsed off the event loop
-_FIELD = re.compile(r"^([a-z_]+)\b")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_KNOWN_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {
-    "prompt", "text", "input_ids", "messages", "top_logprobs_num", "logprob_start_len", "return_logprob", "rid", "n",
-    "max_tokens", "max_completion_tokens", "tools", "tool_choice", "response_format", "logit_bias", "best_of", "suffix",
-}
-_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
-class APIError(Exception):
-    """An error to answer with its status and an OpenAI-shaped body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: int | str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.code = code if code is not None else status
-
-
-def error_body(status: int, message: str, param: str | None = None, code: int | str | None = None) -> dict[str, Any]:
-    """The JSON error body."""
-    kind = _KINDS.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
-    return ErrorResponse(message=message, type=kind, param=param, code=code if code is not None else status).model_dump()
-
-
-def error_response(status: int, message: str, param: str | None = None, code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    """A JSONResponse carrying ``error_body``."""
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
-
-
-def bad_request(exc: Exception, default_param: str | None = None) -> APIError:
-    """A 400 for an error found while validating, naming the field when the message starts with one."""
-    message = str(exc) or type(exc).__name__
-    m = _FIELD.match(message)
-    param = m.group(1) if m and m.group(1) in _KNOWN_FIELDS else default_param
-    if param is not None and param == default_param and not message.startswith(param):
-        message = f"{param}: {message}"
-    return APIError(400, message, param=param)
-
-
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """A 400 from pydantic's error list (the first error, naming its field)."""
-    err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
-    if err.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', msg)}")
-    if param is None:
-        if err.get("type") in ("model_attributes_type", "model_type", "dict_type", "missing"):
-            return APIError(400, "the request body must be a JSON object")
-        return APIError(400, msg)
-    return APIError(400, f"{param}: {msg}", param=param)
-
-
-# ------------------------------------------------------------------ bodies
-def check_json(value: Any) -> None:
-    """Refuse JSON nested deeper than MAX_JSON_DEPTH, lone surrogates and non-finite numbers,
-    naming the field (iteratively: this never recurses)."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
-    while stack:
-        item, path, depth = stack.pop()
-        if isinstance(item, str):
-            m = _SURROGATE.search(item)
-            if m:
-                name = path or "body"
-                raise APIError(400, f"{name}: contains a lone surrogate ({ascii(m.group())}), which is not valid Unicode text", param=path or None)
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                name = path or "body"
-                raise APIError(400, f"{name}: must be a finite number, got {item}", param=path or None)
-        elif isinstance(item, dict | list):
-            if depth >= MAX_JSON_DEPTH:
-                raise APIError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels", param=path.split(".")[0] or None)
-            pairs = item.items() if isinstance(item, dict) else enumerate(item)
-            for k, v in pairs:
-                if isinstance(k, str) and _SURROGATE.search(k):
-                    raise APIError(400, f"{path or 'body'}: a key contains a lone surrogate, which is not valid Unicode text", param=path or None)
-                stack.append((v, f"{path}.{k}" if path else str(k), depth + 1))
-
-
-def parse_json(raw: bytes) -> Any:
-    """Decode and check a JSON body (any Content-Type); APIError 400 when it is not acceptable."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise APIError(400, f"the JSON body is nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:  # includes UnicodeDecodeError
-        raise APIError(400, f"malformed JSON body: {exc}") from None
-    check_json(value)
-    return value
-
-
-def parse_model(raw: bytes, model: type[BaseModel]) -> Any:
-    """``parse_json`` then validate against ``model`` (a 400 naming the field)."""
-    value = parse_json(raw)
-    if not isinstance(value, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False)) from None
-
-
-async def off_loop(fn: Callable[..., Any], size: int, *args: Any) -> Any:
-    """Run ``fn(*args)`` here when ``size`` is small, else in a worker thread."""
-    if size > THREAD_PARSE_BYTES:
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
-
-
-async def json_object(request: Request) -> dict[str, Any]:
-    """The request's JSON body; an empty object when it is JSON but not an object (fields then fail
-    their own checks); a 400 when it is not JSON."""
-    raw = await request.body()
-    body = await off_loop(parse_json, len(raw), raw)
-    return body if isinstance(body, dict) else {}
-
-
-async def read_model(request: Request, model: type[BaseModel]) -> Any:
-    """The request body validated as ``model``, parsed off the event loop when it is large."""
-    raw = await request.body()
-    return await off_loop(parse_model, len(raw), raw, model)
-
-
-def request_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` declaring ``model`` as the JSON request body (its $defs inlined)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
-
-
-# ---------------------------------------------------------------- admission
 @dataclass
 class ServerState:
     """What the routes share: the engine, metrics and admission bookkeeping."""

@@ -11,7 +11,9 @@ import hmac
 import json
 from typing import Any
 
-from radixlm.runtime.http_common import MAX_BODY_BYTES, ServerState, error_body
+from radixlm.runtime.http_body import MAX_BODY_BYTES
+from radixlm.runtime.http_common import ServerState
+from radixlm.runtime.http_errors import error_body
 
 _OPEN_PATHS = ("/health",)
 

@@ -12,18 +12,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.runtime import tool_calls
+from radixlm.runtime.http_body import read_model, request_schema
 from radixlm.runtime.http_common import (
-    APIError,
     ServerState,
     Ticket,
     drained_error,
     error_event,
     failure,
-    read_model,
-    request_schema,
     stream_response,
     wait_final,
 )
+from radixlm.runtime.http_errors import APIError
 from radixlm.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

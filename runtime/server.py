@@ -20,22 +20,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.runtime.engine import Engine
+from radixlm.runtime.http_body import json_object, read_model, request_schema
 from radixlm.runtime.http_common import (
-    APIError,
     ServerState,
     Ticket,
     drained_error,
     error_event,
-    error_response,
     failure,
-    json_object,
     next_output,
-    read_model,
-    request_schema,
     stream_response,
-    validation_error,
     wait_final,
 )
+from radixlm.runtime.http_errors import APIError, error_response, validation_error
 from radixlm.runtime.http_guard import Guard
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.protocol import GenerateRequest
