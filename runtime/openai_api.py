@@ -372,8 +372,12 @@ def _stream_piece(state: ServerState, plan: _Plan, idx: int, out: ReqOutput, sen
     logprobs = None
     if plan.logprobs is not None:
         entries, tops = _token_entries(out, False)
-        new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[sent_lp[idx] :], "output_top_logprobs": tops[sent_lp[idx] :]}, False)
-        sent_lp[idx] = len(entries)
+        # entries[0] is output token ``first``: 0 when outputs carry cumulative entries, the
+        # number already sent when a streamed output carries only the new ones
+        first = getattr(out, "output_logprob_offset", 0)
+        skip = max(sent_lp[idx] - first, 0)
+        new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[skip:], "output_top_logprobs": tops[skip:]}, False)
+        sent_lp[idx] = first + len(entries)
         logprobs = _chat_logprobs(new) if plan.chat else _completion_logprobs(_Plan(**{**plan.__dict__, "echo": False}), new)
     if not plan.chat:
         if not delta_text and not out.finished:
