@@ -14,7 +14,7 @@ from radixlm.runtime.sampling_params import SamplingParams
 _FIELD = re.compile(r"^([a-z_]+)\b")
 _KNOWN_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {
     "prompt", "text", "input_ids", "messages", "top_logprobs_num", "logprob_start_len", "return_logprob", "rid", "n",
-    "max_tokens", "max_completion_tokens", "tools", "tool_choice", "response_format", "logit_bias", "best_of", "suffix",
+    "max_tokens", "max_completion_tokens", "cache_salt", "tools", "tool_choice", "response_format", "logit_bias", "best_of", "suffix",
 }
 _KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 

@@ -64,6 +64,7 @@ class _Plan:
     echo: bool = False
     tool_mode: str | None = None  # "required", "named", "auto"
     tool_name: str | None = None
+    cache_salt: str | None = None
     id: str = field(default_factory=lambda: new_id("cmpl"))
 
 
@@ -123,7 +124,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         prompts.append(ids)
     texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     sampling = _sampling(state, body, body.max_tokens, max(len(x) for x in prompts))
-    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo)
+    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt)
 
 
 def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
@@ -169,7 +170,7 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, id=new_id("chatcmpl"))
 
 
 # ------------------------------------------------------------------- running
@@ -191,6 +192,7 @@ async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
                     logprob_start_len=0 if (plan.echo and plan.logprobs is not None) else -1,
                     return_text_in_logprobs=plan.logprobs is not None,
                     stream=plan.stream,
+                    **({"cache_salt": plan.cache_salt} if plan.cache_salt is not None else {}),
                 )
             except APIError as err:
                 raise _field_error(err, plan) from None

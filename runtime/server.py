@@ -208,6 +208,7 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
                 return_text_in_logprobs=body.return_text_in_logprobs,
                 stream=body.stream,
                 rid=rid,
+                **({"cache_salt": body.cache_salt} if body.cache_salt is not None else {}),
             )
         if body.stream:
             response = stream_response(_native_events(ticket), ticket.close)

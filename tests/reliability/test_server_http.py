@@ -203,3 +203,18 @@ def test_a_stream_whose_reader_stalled_then_reset_is_aborted(client, server):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
     sock.close()  # with unread data and linger 0: a reset
     _assert_clean(client)
+
+
+def test_cache_salt_keeps_cached_prefixes_within_one_salt_on_every_route(client):
+    prompt = "diagnosis: diabetes, patient record number 12345"
+    for path, body in (("/generate", {"text": prompt, "sampling_params": GREEDY}), ("/v1/completions", {"prompt": prompt, "max_tokens": 2})):
+        def cached(salt: str, path=path, body=body) -> int:
+            r = client.post(path, json={**body, "cache_salt": salt})
+            assert r.status_code == 200, r.text
+            out = r.json()
+            return out["meta_info"]["cached_tokens"] if path == "/generate" else out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        cached(f"tenant-a{path}")
+        assert cached(f"tenant-a{path}") > 0
+        assert cached(f"tenant-b{path}") == 0
+    assert _is_openai_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), 400)["param"] == "cache_salt"
