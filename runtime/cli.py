@@ -36,6 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=30000, help="Port to listen on (default: 30000).")
     p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but /health.")
     p.add_argument("--max-queued-requests", type=int, default=1024, help="Requests waiting beyond this are refused with 429 (default: 1024).")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="On SIGTERM, seconds to let running requests finish while new ones get 503; streams still running then end with an error event (default: 30).")
     p.add_argument("--served-model-name", default=None, help="Model name reported by /v1/models (default: from the model path).")
     ServerArgs.add_cli_args(p)
 

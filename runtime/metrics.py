@@ -28,16 +28,17 @@ class ServerMetrics:
         self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency.", buckets=_LATENCY_BUCKETS, registry=r)
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
-        """Count one finished request from its meta_info."""
-        self.prompt_tokens.inc(meta["prompt_tokens"])
-        self.generation_tokens.inc(meta["completion_tokens"])
-        self.cached_tokens.inc(meta["cached_tokens"])
+        """Count one finished request from its meta_info (a failed request's may lack counts)."""
+        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+        self.generation_tokens.inc(meta.get("completion_tokens", 0))
+        self.cached_tokens.inc(max(meta.get("cached_tokens", 0), 0))
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
         self.requests.labels(finish_reason=reason).inc()
-        self.e2e.observe(meta["e2e_latency"])
-        if "ttft" in meta:
+        if "e2e_latency" in meta:
+            self.e2e.observe(meta["e2e_latency"])
+        if "ttft" in meta and "e2e_latency" in meta:
             self.ttft.observe(meta["ttft"])
-            if meta["completion_tokens"] > 1:
+            if meta.get("completion_tokens", 0) > 1:
                 self.itl.observe((meta["e2e_latency"] - meta["ttft"]) / (meta["completion_tokens"] - 1))
 
     def render(self, stats: dict[str, Any]) -> bytes:

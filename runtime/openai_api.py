@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -11,6 +12,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.runtime import tool_calls
+from radixlm.runtime.http_body import read_model, request_schema
+from radixlm.runtime.http_common import (
+    ServerState,
+    Ticket,
+    drained_error,
+    error_event,
+    failure,
+    stream_response,
+    wait_final,
+)
+from radixlm.runtime.http_errors import APIError
 from radixlm.runtime.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -19,20 +31,21 @@ from radixlm.runtime.protocol import (
     now,
 )
 from radixlm.runtime.request import ReqOutput
-from radixlm.runtime.server import APIError, ServerState, bad_request, stream_response, wait_final
 from radixlm.runtime.tokenizer import apply_chat_template
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
     """Register the OpenAI routes on ``app``."""
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _run(state, request, _plan_completion(state, body))
+    @app.post("/v1/completions", openapi_extra=request_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await read_model(request, CompletionRequest)
+        return await _run(state, request, await asyncio.to_thread(_plan_completion, state, body))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _run(state, request, _plan_chat(state, body))
+    @app.post("/v1/chat/completions", openapi_extra=request_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await read_model(request, ChatCompletionRequest)
+        return await _run(state, request, await asyncio.to_thread(_plan_chat, state, body))
 
 
 @dataclass
@@ -51,6 +64,7 @@ class _Plan:
     echo: bool = False
     tool_mode: str | None = None  # "required", "named", "auto"
     tool_name: str | None = None
+    cache_salt: str | None = None
     id: str = field(default_factory=lambda: new_id("cmpl"))
 
 
@@ -110,7 +124,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         prompts.append(ids)
     texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     sampling = _sampling(state, body, body.max_tokens, max(len(x) for x in prompts))
-    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo)
+    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt)
 
 
 def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
@@ -156,23 +170,21 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, id=new_id("chatcmpl"))
 
 
 # ------------------------------------------------------------------- running
-async def _start(state: ServerState, plan: _Plan) -> list[tuple[int, Any, Any]]:
+async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
     """Queue ``n`` requests per prompt; returns (choice index, req, queue) triples."""
-    engine = state.engine
-    total = len(plan.prompts) * plan.n
-    state.admit(total)
     started: list[tuple[int, Any, Any]] = []
-    try:
-        for p_i, ids in enumerate(plan.prompts):
-            for k in range(plan.n):
-                sp = dict(plan.sampling)
-                if "seed" in sp and plan.n > 1:
-                    sp["seed"] = sp["seed"] + k
-                req, q = await engine.start_request(
+    for p_i, ids in enumerate(plan.prompts):
+        for k in range(plan.n):
+            sp = dict(plan.sampling)
+            if "seed" in sp and plan.n > 1:
+                sp["seed"] = sp["seed"] + k
+            try:
+                req, q = await ticket.start(
+                    "messages" if plan.chat else "prompt",
                     input_ids=ids,
                     sampling_params=sp,
                     return_logprob=plan.logprobs is not None,
@@ -180,18 +192,16 @@ async def _start(state: ServerState, plan: _Plan) -> list[tuple[int, Any, Any]]:
                     logprob_start_len=0 if (plan.echo and plan.logprobs is not None) else -1,
                     return_text_in_logprobs=plan.logprobs is not None,
                     stream=plan.stream,
+                    **({"cache_salt": plan.cache_salt} if plan.cache_salt is not None else {}),
                 )
-                started.append((p_i * plan.n + k, req, q))
-    except ValueError as exc:
-        for _, req, _ in started:
-            engine.abort_nowait(req.rid)
-        state.release(total)
-        raise _field_error(exc, plan) from None
+            except APIError as err:
+                raise _field_error(err, plan) from None
+            started.append((p_i * plan.n + k, req, q))
     return started
 
 
-def _field_error(exc: ValueError, plan: _Plan) -> APIError:
-    err = bad_request(exc)
+def _field_error(err: APIError, plan: _Plan) -> APIError:
+    """Rename engine-side fields to the OpenAI request's (json_schema -> tools, ...)."""
     if err.param in ("json_schema",) and plan.tool_mode:
         err.param = "tools"
     elif err.param == "json_schema" and plan.chat:
@@ -202,20 +212,19 @@ def _field_error(exc: ValueError, plan: _Plan) -> APIError:
 
 
 async def _run(state: ServerState, request: Request, plan: _Plan) -> Response:
-    started = await _start(state, plan)
-    total = len(started)
-    if plan.stream:
-
-        def close() -> None:
-            for _, req, _ in started:
-                state.engine.abort_nowait(req.rid)
-            state.release(total)
-
-        return stream_response(_stream_events(state, plan, started), close)
+    total = len(plan.prompts) * plan.n
+    ticket = Ticket(state, total, [], "n" if plan.n > 1 or len(plan.prompts) == 1 else "prompt")
+    handed_off = False
     try:
-        outs = await wait_final(state, request, [(req, q) for _, req, q in started])
+        started = await _start(ticket, plan)
+        if plan.stream:
+            response = stream_response(_stream_events(ticket, plan, started), ticket.close)
+            handed_off = True
+            return response
+        outs = await wait_final(ticket, request)
     finally:
-        state.release(total)
+        if not handed_off:
+            ticket.close()
     choices = [_choice(state, plan, idx, out) for (idx, _, _), out in zip(started, outs)]
     body = {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion", "created": now(), "model": plan.model, "choices": choices, "usage": _usage(plan, outs)}
     return JSONResponse(body)
@@ -306,10 +315,9 @@ def _completion_logprobs(plan: _Plan, out: ReqOutput) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ streaming
-async def _stream_events(state: ServerState, plan: _Plan, started: list[tuple[int, Any, Any]]) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI chunks, choices interleaved as their tokens arrive."""
-    import asyncio
-
+async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, Any, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """OpenAI chunks, choices interleaved as their tokens arrive; a failure ends with an error event."""
+    state = ticket.state
     kind = "chat.completion.chunk" if plan.chat else "text_completion"
     created = now()
 
@@ -327,22 +335,32 @@ async def _stream_events(state: ServerState, plan: _Plan, started: list[tuple[in
     elif plan.echo:
         yield chunk([{"index": idx, "text": plan.prompt_texts[idx // plan.n], "logprobs": None, "finish_reason": None} for idx, _, _ in started])
     pending = {asyncio.ensure_future(q.get()): (idx, q) for idx, _, q in started}
+    stop = asyncio.ensure_future(state.drain_expired.wait())
     finals: list[ReqOutput] = []
     try:
         while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*pending, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if stop in done:
+                yield error_event(drained_error())
+                return
             for fut in done:
                 idx, q = pending.pop(fut)
                 out: ReqOutput = fut.result()
+                if out.finished:
+                    ticket.mark_finished(out)
+                    state.metrics.observe_finished(out.meta_info)
+                    err = failure([out])
+                    if err is not None:
+                        yield error_event(err)
+                        return
+                    finals.append(out)
+                else:
+                    pending[asyncio.ensure_future(q.get())] = (idx, q)
                 piece = _stream_piece(state, plan, idx, out, sent, sent_lp, buffered)
                 if piece is not None:
                     yield chunk([piece])
-                if out.finished:
-                    finals.append(out)
-                    state.metrics.observe_finished(out.meta_info)
-                else:
-                    pending[asyncio.ensure_future(q.get())] = (idx, q)
     finally:
+        stop.cancel()
         for fut in pending:
             fut.cancel()
     if plan.include_usage:
@@ -356,8 +374,12 @@ def _stream_piece(state: ServerState, plan: _Plan, idx: int, out: ReqOutput, sen
     logprobs = None
     if plan.logprobs is not None:
         entries, tops = _token_entries(out, False)
-        new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[sent_lp[idx] :], "output_top_logprobs": tops[sent_lp[idx] :]}, False)
-        sent_lp[idx] = len(entries)
+        # entries[0] is output token ``first``: 0 when outputs carry cumulative entries, the
+        # number already sent when a streamed output carries only the new ones
+        first = getattr(out, "output_logprob_offset", 0)
+        skip = max(sent_lp[idx] - first, 0)
+        new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[skip:], "output_top_logprobs": tops[skip:]}, False)
+        sent_lp[idx] = first + len(entries)
         logprobs = _chat_logprobs(new) if plan.chat else _completion_logprobs(_Plan(**{**plan.__dict__, "echo": False}), new)
     if not plan.chat:
         if not delta_text and not out.finished:

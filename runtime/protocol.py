@@ -46,6 +46,7 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: StrictBool = False
     stream: StrictBool = False
     rid: str | list[str] | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -179,6 +180,7 @@ class _SamplingFields(_Lenient):
     json_schema: dict[str, Any] | str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: StrictInt | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # share cached KV only within a salt
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,0 +1,64 @@
+"""OpenAI-shaped HTTP errors: ``{"object": "error", "message", "type", "param", "code"}``, and the
+mapping from validation failures to a 400 that names the field."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from radixlm.runtime.protocol import ErrorResponse
+from radixlm.runtime.sampling_params import SamplingParams
+
+_FIELD = re.compile(r"^([a-z_]+)\b")
+_KNOWN_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {
+    "prompt", "text", "input_ids", "messages", "top_logprobs_num", "logprob_start_len", "return_logprob", "rid", "n",
+    "max_tokens", "max_completion_tokens", "cache_salt", "tools", "tool_choice", "response_format", "logit_bias", "best_of", "suffix",
+}
+_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error to answer with its status and an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: int | str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code if code is not None else status
+
+
+def error_body(status: int, message: str, param: str | None = None, code: int | str | None = None) -> dict[str, Any]:
+    """The JSON error body."""
+    kind = _KINDS.get(status, "BadRequestError" if 400 <= status < 500 else "InternalServerError")
+    return ErrorResponse(message=message, type=kind, param=param, code=code if code is not None else status).model_dump()
+
+
+def error_response(status: int, message: str, param: str | None = None, code: int | str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A JSONResponse carrying ``error_body``."""
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def bad_request(exc: Exception, default_param: str | None = None) -> APIError:
+    """A 400 for an error found while validating, naming the field when the message starts with one."""
+    message = str(exc) or type(exc).__name__
+    m = _FIELD.match(message)
+    param = m.group(1) if m and m.group(1) in _KNOWN_FIELDS else default_param
+    if param is not None and param == default_param and not message.startswith(param):
+        message = f"{param}: {message}"
+    return APIError(400, message, param=param)
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """A 400 from pydantic's error list (the first error, naming its field)."""
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', msg)}")
+    if param is None:
+        if err.get("type") in ("model_attributes_type", "model_type", "dict_type", "missing"):
+            return APIError(400, "the request body must be a JSON object")
+        return APIError(400, msg)
+    return APIError(400, f"{param}: {msg}", param=param)
