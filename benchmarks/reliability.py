@@ -184,7 +184,7 @@ async def rss_over_mixed(base: str, pid: int, total: int, concurrency: int, seed
 
         async def one(i: int) -> None:
             kind = kinds[i % len(kinds)]
-            sp: dict = {"max_new_tokens": rng.choice([8, 16, 32]), "temperature": 0.7, "seed": i}
+            sp: dict = {"max_new_tokens": rng.choice([8, 16, 32]), "temperature": 0.7, "seed": abs(i)}
             body: dict = {"text": f"Request {i}: " + "the quick brown fox " * rng.randrange(1, 30), "sampling_params": sp}
             async with sem:
                 if kind in ("plain", "regex", "json_schema", "logprobs"):
