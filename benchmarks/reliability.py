@@ -217,8 +217,10 @@ async def rss_over_mixed(base: str, pid: int, total: int, concurrency: int, seed
 class HealthProbe:
     """Polls /health from its own thread (so the client's own work never delays it); keeps latencies."""
 
-    def __init__(self, base: str, period: float = 0.05) -> None:
+    def __init__(self, base: str, pid: int | None = None, period: float = 0.05) -> None:
         self.base, self.period = base, period
+        self.proc = psutil.Process(pid) if pid is not None else None
+        self.peak_rss = 0.0
         self.latencies: list[float] = []
         self.errors = 0
         self._stop = threading.Event()
@@ -234,6 +236,8 @@ class HealthProbe:
                     ok = False
                 self.latencies.append(time.perf_counter() - t)
                 self.errors += not ok
+                if self.proc is not None:
+                    self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss / MiB)
                 self._stop.wait(self.period)
 
     def __enter__(self) -> HealthProbe:
@@ -250,17 +254,17 @@ class HealthProbe:
         return {"n": len(self.latencies), "p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], "max_ms": 1e3 * lat[-1], "errors": self.errors}
 
 
-async def health_latency(base: str, body_mib: int, streams: int) -> dict:
+async def health_latency(base: str, pid: int | None, body_mib: int, streams: int) -> dict:
     """/health latency at rest, during a big POST, and during many streams."""
     out: dict = {}
     with HealthProbe(base) as probe:
         await asyncio.sleep(2)
     out["at rest"] = probe.summary()
     big = json.dumps({"text": "hello world " * (body_mib * MiB // 12), "sampling_params": {"max_new_tokens": 1}}).encode()
-    with HealthProbe(base) as probe:
+    with HealthProbe(base, pid) as probe:
         t = time.perf_counter()
         r = await asyncio.to_thread(httpx.post, base + "/generate", content=big, headers={"Content-Type": "application/json"}, timeout=600)
-        out["big_post"] = {"status": r.status_code, "seconds": time.perf_counter() - t, "bytes": len(big)}
+        out["big_post"] = {"status": r.status_code, "seconds": time.perf_counter() - t, "bytes": len(big), "peak_rss": probe.peak_rss}
     out[f"during a {len(big) / MiB:.0f} MiB POST"] = probe.summary()
     limits = httpx.Limits(max_connections=2 * streams, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
@@ -361,7 +365,8 @@ def report(args: argparse.Namespace, model: str, server_cmd: str | None, res: di
             "|---|---:|---:|---:|---:|---:|",
             *[f"| {k} | {v['n']} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['max_ms']:.1f} | {v['errors']} |" for k, v in c.items()],
             "",
-            f"The {big['bytes'] / MiB:.1f} MiB POST /generate was answered HTTP {big['status']} after {big['seconds']:.2f} s.",
+            f"The {big['bytes'] / MiB:.1f} MiB POST /generate (one text that tokenizes past the context length) was answered HTTP {big['status']} "
+            f"after {big['seconds']:.2f} s" + (f"; server RSS peaked at {big['peak_rss']:.0f} MiB meanwhile." if big["peak_rss"] else "."),
             "",
         ]
     if "sigterm" in res:
@@ -413,7 +418,7 @@ def main() -> None:
             res["rss"] = asyncio.run(rss_over_mixed(base, pid, args.rss_requests, args.rss_concurrency, args.seed))
             print(res["rss"], flush=True)
         if "health" in args.only:
-            res["health"] = asyncio.run(health_latency(base, args.body_mib, args.streams))
+            res["health"] = asyncio.run(health_latency(base, pid, args.body_mib, args.streams))
             print(res["health"], flush=True)
         if "sigterm" in args.only and server is not None:
             res["sigterm"] = asyncio.run(sigterm_under_load(server, args.sigterm_streams))
