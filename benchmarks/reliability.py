@@ -265,6 +265,9 @@ async def health_latency(base: str, pid: int | None, body_mib: int, streams: int
         t = time.perf_counter()
         r = await asyncio.to_thread(httpx.post, base + "/generate", content=big, headers={"Content-Type": "application/json"}, timeout=600)
         out["big_post"] = {"status": r.status_code, "seconds": time.perf_counter() - t, "bytes": len(big), "peak_rss": probe.peak_rss}
+    if pid is not None:
+        await asyncio.sleep(2)
+        out["big_post"]["rss_after"] = psutil.Process(pid).memory_info().rss / MiB
     out[f"during a {len(big) / MiB:.0f} MiB POST"] = probe.summary()
     limits = httpx.Limits(max_connections=2 * streams, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base, timeout=120, limits=limits) as http:
@@ -366,7 +369,7 @@ def report(args: argparse.Namespace, model: str, server_cmd: str | None, res: di
             *[f"| {k} | {v['n']} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} | {v['max_ms']:.1f} | {v['errors']} |" for k, v in c.items()],
             "",
             f"The {big['bytes'] / MiB:.1f} MiB POST /generate (one text that tokenizes past the context length) was answered HTTP {big['status']} "
-            f"after {big['seconds']:.2f} s" + (f"; server RSS peaked at {big['peak_rss']:.0f} MiB meanwhile." if big["peak_rss"] else "."),
+            f"after {big['seconds']:.2f} s" + (f"; server RSS peaked at {big['peak_rss']:.0f} MiB meanwhile and was {big['rss_after']:.0f} MiB 2 s later." if big["peak_rss"] else "."),
             "",
         ]
     if "sigterm" in res:
