@@ -14,6 +14,7 @@ callers use the PyTorch path.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -23,6 +24,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -116,11 +118,34 @@ def _compile(folder: Path) -> ModuleType:
     scripts = sysconfig.get_path("scripts")  # the pip-installed ninja, when no system one is on PATH
     if shutil.which("ninja") is None and Path(scripts, "ninja").exists():
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(
-        name="radixlm_cpu_kernels",
-        sources=[str(folder / "src" / name) for name in _COMPILED],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(folder),
-        verbose=False,
-    )
+    with _build_guard(folder):
+        return cpp_extension.load(
+            name="radixlm_cpu_kernels",
+            sources=[str(folder / "src" / name) for name in _COMPILED],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(folder),
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_guard(folder: Path) -> Iterator[None]:
+    """Hold the folder's build lock; a ``lock`` file torch's builder left behind is then stale.
+
+    torch waits, without a time limit, for its own lock file to disappear, and a process killed
+    mid-build leaves it there forever. Our lock is an OS lock (flock) that dies with its
+    process, so whoever holds it knows no live build owns torch's file and may remove it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: torch's own lock is all there is
+        yield
+        return
+    with open(folder / ".build-guard", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            logger.warning("removing a stale build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixlm.runtime.constrained.compiler import GrammarBusy
 from radixlm.runtime.engine import Engine, EngineError
 from radixlm.runtime.http_errors import APIError, bad_request, error_body
 from radixlm.runtime.metrics import ServerMetrics
@@ -83,6 +84,8 @@ class Ticket:
             raise
         except EngineError as exc:
             raise APIError(503, str(exc)) from None
+        except GrammarBusy as exc:  # the spec may be fine: the compilers are full
+            raise APIError(429, str(exc)) from None
         except Exception as exc:  # a bad value found late (the tokenizer, a grammar compiler)
             raise bad_request(exc, default_param) from None
         self.started.append(pair)

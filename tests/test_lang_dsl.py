@@ -366,3 +366,21 @@ def test_trace_stops_where_python_needs_a_value():
 def test_run_batch_traces_arguments_that_every_instance_shares():
     batch = [{"shots": "Q1 A1", "q": "x", "n": 1}, {"shots": "Q1 A1", "q": "y", "n": 1}]
     assert _shared_values(batch) == {"shots": "Q1 A1", "n": 1}
+
+
+def test_a_stream_error_event_from_the_server_raises_backend_error():
+    import httpx
+
+    from radixlm.lang.backend.base import BackendError
+    from radixlm.lang.backend.endpoint import RuntimeEndpoint
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = 'data: {"text": "a", "meta_info": {}}\n\ndata: {"error": {"message": "forward pass failed", "code": 500}}\n\ndata: [DONE]\n\n'
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    backend = RuntimeEndpoint("http://test")
+    backend.client = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://test")
+    events = backend.generate_stream("x", {"max_new_tokens": 2})
+    assert next(events)["text"] == "a"
+    with pytest.raises(BackendError, match="forward pass failed"):
+        next(events)

@@ -61,7 +61,10 @@ class RuntimeEndpoint(Backend):
                     payload = line[5:].strip()
                     if payload == "[DONE]":
                         return
-                    yield json.loads(payload)
+                    event = json.loads(payload)
+                    if "error" in event:  # the request failed in the server after it started
+                        raise BackendError(f"the server failed this request: {event['error'].get('message', event['error'])}")
+                    yield event
         except httpx.HTTPError as exc:
             raise BackendError(f"the stream from {self.base_url} broke: {exc}") from exc
 

@@ -191,7 +191,10 @@ def regex_size(regex: str) -> int:
 
 
 def check_regex_size(regex: str, what: str = "regex") -> None:
-    """Raise GrammarError when ``regex`` expands past MAX_REGEX_SIZE."""
+    """Raise GrammarError when ``regex`` expands past MAX_REGEX_SIZE (or ends in a lone backslash)."""
+    trailing = len(regex) - len(regex.rstrip("\\"))
+    if trailing % 2:  # an escape with nothing to escape: invalid in every regex dialect
+        raise GrammarError(f"{what} is invalid: it ends with a lone backslash")
     size = regex_size(regex)
     if size > MAX_REGEX_SIZE:
         raise GrammarError(f"{what} is too large: it expands to about {size:,} pieces, over the limit of {MAX_REGEX_SIZE:,} (MAX_REGEX_SIZE)")

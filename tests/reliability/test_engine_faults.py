@@ -224,3 +224,11 @@ def test_jump_forward_drafts_leave_room_for_the_token_after_them(engine):
         req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=max_new), sink=lambda out: None, grammar=Forcing())
         engine.scheduler.decoder.propose_initial_drafts(req)
         assert len(req.draft_ids) == max_new - 1  # the verifying pass adds one token past them
+
+
+@pytest.mark.parametrize("temperature", [1e-46, 1e-300, 5e-324])
+def test_a_vanishing_temperature_decodes_greedily_instead_of_dividing_by_zero(engine, temperature):
+    greedy = engine.generate("The quick brown fox", GREEDY)
+    tiny = engine.generate("The quick brown fox", dict(GREEDY, temperature=temperature))
+    assert tiny["output_ids"] == greedy["output_ids"]
+    assert tiny["meta_info"]["finish_reason"]["type"] == "length"

@@ -52,10 +52,27 @@ def test_failed_kernel_build_falls_back_to_pytorch_with_one_warning(monkeypatch,
 
 def test_engine_builds_the_kernels_before_it_is_ready(tiny_llama, monkeypatch):
     from radixlm.runtime import model_runner
-    from radixlm.runtime.engine import build_runtime
+    from radixlm.runtime.engine import build_parts
     from radixlm.runtime.server_args import ServerArgs
 
     built = []
     monkeypatch.setattr(model_runner, "cpu_kernels", lambda: built.append(True))
-    build_runtime(ServerArgs(model_path=tiny_llama, max_total_tokens=256))
+    build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=256))
     assert built == [True]
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_build(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    folder = tmp_path / "cpu_kernels_x"
+    (folder / "src").mkdir(parents=True)
+    (folder / "lock").write_text("")  # what torch's builder leaves when its process is killed
+    seen = []
+
+    def fake_load(**kwargs):
+        seen.append((folder / "lock").exists())
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert cpu_ext._compile(folder) == "module"
+    assert seen == [False]  # torch's wait (which has no time limit) would otherwise never end

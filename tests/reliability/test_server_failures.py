@@ -145,3 +145,20 @@ def test_a_client_abort_keeps_its_200_with_finish_reason_abort(app, engine):
 
     r = _run(app, calls)
     assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_full_grammar_compilers_answer_429_not_400(app, engine, monkeypatch):
+    from radixlm.runtime.constrained.compiler import GrammarBusy
+
+    async def busy(**kwargs):
+        raise GrammarBusy("16 compilations are running; retry later (grammar_compile_timeout)")
+
+    monkeypatch.setattr(engine, "start_request", busy)
+
+    async def calls(c):
+        return await c.post("/generate", json={"text": "x", "sampling_params": {"regex": "a+"}})
+
+    r = _run(app, calls)
+    assert r.status_code == 429, r.text
+    assert r.json()["object"] == "error"
+    assert app.state.radixlm.in_flight == 0

@@ -78,12 +78,12 @@ def _type_cases() -> list[tuple[str, dict]]:
 def _range_cases() -> list[tuple[str, dict]]:
     """Numbers out of range, including ones that overflow C types or divide by zero."""
     cases: list[tuple[str, dict]] = []
-    for name, v in [("top_k", 2**63), ("top_k", -2), ("top_k", 10**30), ("temperature", -1), ("temperature", 1e-46), ("temperature", 1e-300),
+    for name, v in [("top_k", 2**63), ("top_k", -2), ("top_k", 10**30), ("temperature", -1),
                     ("top_p", 0), ("top_p", 1.5), ("min_p", -0.1), ("min_p", 2), ("repetition_penalty", 0), ("repetition_penalty", 5),
                     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("max_new_tokens", -1), ("min_new_tokens", -1),
                     ("seed", 2**64), ("seed", -(2**70)), ("stop_token_ids", [2**63]), ("stop_token_ids", [10**9])]:
         cases.append(("/generate", {"text": "x", "sampling_params": {name: v}}))
-    for name, v in [("top_k", 2**63), ("temperature", 1e-46), ("temperature", -0.5), ("temperature", 2.5), ("top_p", 0), ("n", 17), ("n", 10**6), ("max_tokens", 10**9),
+    for name, v in [("top_k", 2**63), ("temperature", -0.5), ("temperature", 2.5), ("top_p", 0), ("n", 17), ("n", 10**6), ("max_tokens", 10**9),
                     ("seed", 2**64), ("stop_token_ids", [2**63]), ("min_tokens", 10**9), ("presence_penalty", 9)]:
         cases.append(("/v1/completions", {"prompt": "x", name: v}))
         cases.append(("/v1/chat/completions", {"messages": MSG, name: v}))
