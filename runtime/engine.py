@@ -119,6 +119,9 @@ class Engine:
         self.config = self.runner.config
         self.context_len = self.runner.context_len
         self.end_ids = self.scheduler.end_ids
+        # No token spells more characters than its vocabulary entry has, so a longer text than
+        # this is over the context length for sure: refused before the (slow) tokenizer runs.
+        self._max_text_chars = self.context_len * max(map(len, self.tokenizer.get_vocab()), default=1)
 
     # ------------------------------------------------------------- the loop
     def _run(self, ready: concurrent.futures.Future) -> None:
@@ -210,7 +213,9 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``."""
+        """Token ids of ``text`` (ValueError, without tokenizing, for a text no context can hold)."""
+        if len(text) > self._max_text_chars:
+            raise ValueError(f"prompt is {len(text):,} characters, more than a context of {self.context_len} tokens can hold")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def make_request(

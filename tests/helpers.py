@@ -225,3 +225,21 @@ class ServerProcess:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def tokenizer_parts(model_path: str) -> tuple:
+    """``(tokenizer, vocab_size, end_ids)`` of a model, as the grammar backends take them."""
+    from radixlm.runtime.loader import load_model_config
+    from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    cfg = load_model_config(model_path)
+    return tok, cfg.vocab_size, end_token_ids(tok, cfg.eos_token_ids)
+
+
+def grammar_backends(tok, vocab: int, ends: set[int]) -> dict:
+    """Both grammar backends over one tokenizer, by name."""
+    from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
+    from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+
+    return {"llguidance": LLGuidanceBackend(tok, vocab, ends), "outlines": OutlinesBackend(tok, vocab, ends)}

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from helpers import grammar_backends, tokenizer_parts
 from radixlm.runtime.constrained.base import (
     CompiledGrammar,
     GrammarBackend,
@@ -25,21 +26,12 @@ BACKENDS = ["llguidance", "outlines"]
 
 @pytest.fixture(scope="module")
 def smol_tokenizer(smollm2_path):
-    from radixlm.runtime.loader import load_model_config
-    from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
-
-    tok = load_tokenizer(smollm2_path)
-    cfg = load_model_config(smollm2_path)
-    return tok, cfg.vocab_size, end_token_ids(tok, cfg.eos_token_ids)
+    return tokenizer_parts(smollm2_path)
 
 
 @pytest.fixture(scope="module")
 def backends(smol_tokenizer):
-    from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
-    from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
-
-    tok, vocab, ends = smol_tokenizer
-    return {"llguidance": LLGuidanceBackend(tok, vocab, ends), "outlines": OutlinesBackend(tok, vocab, ends)}
+    return grammar_backends(*smol_tokenizer)
 
 
 def _walk(backend, tok, vocab, ends, kind: str, spec: str, text: str) -> bool:

@@ -232,3 +232,12 @@ def test_a_vanishing_temperature_decodes_greedily_instead_of_dividing_by_zero(en
     tiny = engine.generate("The quick brown fox", dict(GREEDY, temperature=temperature))
     assert tiny["output_ids"] == greedy["output_ids"]
     assert tiny["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_text_far_over_the_context_is_refused_without_tokenizing(engine, monkeypatch):
+    calls = []
+    real = engine.tokenizer.__class__.__call__
+    monkeypatch.setattr(engine.tokenizer.__class__, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate("word " * 2_000_000, GREEDY)
+    assert calls == []

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from helpers import grammar_backends, tokenizer_parts
 from radixlm.runtime.constrained.base import GrammarError, bitmask_width
 from radixlm.runtime.constrained.specs import MAX_REGEX_SIZE, regex_size
 
@@ -17,21 +18,12 @@ BACKENDS = ["llguidance", "outlines"]
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tiny_llama):
-    from radixlm.runtime.loader import load_model_config
-    from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
-
-    tok = load_tokenizer(tiny_llama)
-    cfg = load_model_config(tiny_llama)
-    return tok, cfg.vocab_size, end_token_ids(tok, cfg.eos_token_ids)
+    return tokenizer_parts(tiny_llama)
 
 
 @pytest.fixture(scope="module")
 def backends(tiny_tokenizer):
-    from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
-    from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
-
-    tok, vocab, ends = tiny_tokenizer
-    built = {"llguidance": LLGuidanceBackend(tok, vocab, ends), "outlines": OutlinesBackend(tok, vocab, ends)}
+    built = grammar_backends(*tiny_tokenizer)
     yield built
     built["outlines"].close()
 
