@@ -215,7 +215,7 @@ class Engine:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (ValueError, without tokenizing, for a text no context can hold)."""
         if len(text) > self._max_text_chars:
-            raise ValueError(f"prompt is {len(text):,} characters, more than a context of {self.context_len} tokens can hold")
+            raise ValueError(f"prompt is {len(text):,} characters, more than the context length ({self.context_len} tokens) can hold")
         return self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
 
     def make_request(

@@ -97,6 +97,14 @@ def _sampling(state: ServerState, body, max_tokens: int | None, prompt_len: int)
     return sp
 
 
+def _tokenize(engine, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a prompt; a text no context can hold is a 400 naming ``param``."""
+    try:
+        return engine.tokenize(text, add_special_tokens=add_special_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+
+
 def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
     engine = state.engine
     if body.suffix:
@@ -115,7 +123,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         raise APIError(400, "prompt must be a non-empty string, list of strings, or token ids", param="prompt")
     prompts = []
     for i, t in enumerate(texts):
-        ids = engine.tokenize(t) if t is not None else list(p[i])
+        ids = _tokenize(engine, t, "prompt") if t is not None else list(p[i])
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
         bad = [x for x in ids if not 0 <= x < engine.config.vocab_size]
@@ -147,7 +155,7 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
         raise APIError(400, str(exc), param="messages") from None
     except Exception as exc:  # the template itself rejected the conversation
         raise APIError(400, f"the chat template could not render these messages: {exc}", param="messages") from None
-    ids = engine.tokenize(text, add_special_tokens=False)
+    ids = _tokenize(engine, text, "messages", add_special_tokens=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(state, body, max_tokens, len(ids))
     constrained = [k for k in ("regex", "ebnf", "json_schema") if k in sampling]

@@ -162,7 +162,10 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
             raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
-        tokens = await asyncio.to_thread(lambda: [engine.tokenize(p, add_special_tokens=special) for p in (prompt if batch else [prompt])])
+        try:
+            tokens = await asyncio.to_thread(lambda: [engine.tokenize(p, add_special_tokens=special) for p in (prompt if batch else [prompt])])
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
         counts = [len(t) for t in tokens]
         return {"tokens": tokens if batch else tokens[0], "count": counts if batch else counts[0], "max_model_len": engine.context_len}
 

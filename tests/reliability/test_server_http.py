@@ -218,3 +218,8 @@ def test_cache_salt_keeps_cached_prefixes_within_one_salt_on_every_route(client)
         assert cached(f"tenant-a{path}") > 0
         assert cached(f"tenant-b{path}") == 0
     assert _is_openai_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "cache_salt": ""}), 400)["param"] == "cache_salt"
+
+
+def test_tokenize_route_refuses_a_text_no_context_can_hold_with_a_400(client):
+    r = client.post("/tokenize", json={"prompt": "word " * 2_000_000})
+    assert _is_openai_error(r, 400)["param"] == "prompt"
