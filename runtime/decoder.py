@@ -30,7 +30,7 @@ from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req
 from radixlm.runtime.sampler import SamplingRow, accept_draft, prompt_logprobs, sample
-from radixlm.runtime.schedule_batch import LogitSpans, Row
+from radixlm.runtime.schedule_batch import LogitSpans
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,8 @@ class Decoder:
 
     def _check_finite(self, logits: torch.Tensor, spans: LogitSpans, failed: dict[Req, str]) -> None:
         """Fail each request with a NaN or infinite logit: its KV must never reach the cache."""
-        ranges = [(row.req, first, count) for row, first, _, count in spans.prompt] + list(spans.picks)
-        ranges = [(row.req if isinstance(row, Row) else row, first, count) for row, first, count in ranges]
+        ranges = [(row.req, first, count) for row, first, _, count in spans.prompt]
+        ranges += [(row.req, first, count) for row, first, count in spans.picks]
         if self.faults is not None:
             self.faults.poison(logits, [(req.rid, first, count) for req, first, count in ranges])
         finite = torch.isfinite(logits).all(dim=-1)
