@@ -95,6 +95,14 @@ class Ticket:
         """Record a final output (its request needs no abort)."""
         self.finished.add(out.rid)
 
+    def settle_stream(self, out: ReqOutput) -> dict[str, Any] | None:
+        """Record a streamed request's final output (and its metrics); the stream's last event
+        when the request failed inside the server, else None."""
+        self.mark_finished(out)
+        self.state.metrics.observe_finished(out.meta_info)
+        err = failure([out])
+        return error_event(err) if err is not None else None
+
     def close(self) -> None:
         """Abort what this handler started and did not see finish; release its slots and rids."""
         if self._closed:

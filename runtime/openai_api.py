@@ -18,7 +18,6 @@ from radixlm.runtime.http_common import (
     Ticket,
     drained_error,
     error_event,
-    failure,
     stream_response,
     wait_final,
 )
@@ -355,11 +354,8 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
                 idx, q = pending.pop(fut)
                 out: ReqOutput = fut.result()
                 if out.finished:
-                    ticket.mark_finished(out)
-                    state.metrics.observe_finished(out.meta_info)
-                    err = failure([out])
-                    if err is not None:
-                        yield error_event(err)
+                    if (event := ticket.settle_stream(out)) is not None:
+                        yield event
                         return
                     finals.append(out)
                 else:

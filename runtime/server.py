@@ -234,13 +234,9 @@ async def _native_events(ticket: Ticket) -> AsyncIterator[dict[str, Any]]:
         if out is None:
             yield error_event(drained_error())
             return
-        if out.finished:
-            ticket.mark_finished(out)
-            state.metrics.observe_finished(out.meta_info)
-            err = failure([out])
-            if err is not None:
-                yield error_event(err)
-                return
+        if out.finished and (event := ticket.settle_stream(out)) is not None:
+            yield event
+            return
         yield {"text": out.text, "output_ids": out.output_ids, "meta_info": out.meta_info}
         if out.finished:
             return
