@@ -36,6 +36,9 @@ import httpx
 import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write  # noqa: E402
+
 MiB = 1 << 20
 REGEX = "[a-z ]{4,40}"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -430,10 +433,7 @@ def main() -> None:
         if server is not None:
             server.stop()
     text = report(args, model, cmd, res)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    write(text, args.out)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report import write  # noqa: E402
 from workloads import SYSTEM_PROMPT, chat_questions  # noqa: E402
 
 
@@ -109,10 +110,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="Also write the markdown result here.")
     args = ap.parse_args()
     text = asyncio.run(main_async(args))
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    write(text, args.out)
 
 
 if __name__ == "__main__":
