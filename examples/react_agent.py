@@ -1,12 +1,14 @@
-"""A ReAct-style agent with two Python tools; every call is valid by construction.
+"""A tool-using agent in one call: ``rl.run_agent`` loops model calls and tool runs until an answer.
 
     .venv/bin/python examples/react_agent.py
 
 ``@rl.tool`` turns a typed function into a tool (JSON schema from the signature, description
-from the docstring). ``gen(tools=...)`` constrains the model to one valid call, read back as
-``s["call"] == {"name": ..., "arguments": {...}}``; ``call_tool`` runs it and appends the result
-as the chat template's tool message. (The embedded 135M-parameter model is small: it makes
-valid calls, not always the wise ones.)
+from the docstring). Each step of ``run_agent`` is one assistant message holding one call that is
+valid by construction; the loop runs it, appends the result as a tool message, and stops when the
+model calls ``final_answer`` (or after ``max_steps``). A tool that raises is reported back to the
+model as ``error: ...``. Every step's call, result and cached-token count is in the answer's meta
+info: each step's prompt extends the last, so the radix cache serves all but the new tokens.
+(The embedded 135M-parameter model is small: its calls are valid, not always wise.)
 """
 
 from typing import Literal
@@ -36,28 +38,25 @@ TOOLS = [get_weather, celsius_to_fahrenheit]
 
 
 @rl.function
-def react_agent(s, question, max_steps=3):
-    s += rl.system(
-        "You answer questions about the weather. First look up the weather of the city, "
-        "then convert units if the user asks for Fahrenheit.\n" + rl.describe_tools(TOOLS)
+def weather_agent(s, question):
+    rl.run_agent(
+        s,
+        TOOLS,
+        task=question,
+        system_prompt="You answer questions about the weather. Look up the city, convert units if asked, then call final_answer with the answer.",
+        max_steps=4,
+        max_tokens=96,
     )
-    s += rl.user(question)
-    for _ in range(max_steps):
-        s += rl.assistant(rl.gen("call", tools=TOOLS, max_tokens=64))
-        s += rl.call_tool(s["call"], TOOLS)
-        s += rl.assistant_begin() + rl.select("next", ["Next I will call a tool.", "The answer is"])
-        if s["next"] == "The answer is":
-            s += rl.gen("answer", max_tokens=48, stop="\n") + rl.assistant_end()
-            return
-        s += rl.assistant_end()
 
 
 def main() -> None:
     with rl.EngineBackend() as backend:
         question = "What is the weather in Tokyo? Give the temperature in Fahrenheit."
-        state = react_agent.run(question=question, backend=backend, temperature=0)
-        for message in state.messages()[1:]:
-            print(f"{message['role']:>9}: {message['content']}")
+        state = weather_agent.run(question=question, backend=backend, temperature=0)
+        for i, step in enumerate(state.get_meta_info("answer")["steps"], 1):
+            print(f"step {i}: {step['call']} -> {step['error'] or step['result']!r} "
+                  f"({step['cached_tokens']}/{step['prompt_tokens']} prompt tokens cached)")
+        print("answer:", state["answer"])
 
 
 if __name__ == "__main__":

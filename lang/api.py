@@ -13,13 +13,8 @@ from radixlm.lang.program import Function, _resolve
 from radixlm.lang.tools import as_tools
 from radixlm.runtime.sampling_params import SamplingParams
 
-# The regexes ``dtype`` stands for: bounded, so a constrained generation always ends.
-DTYPE_REGEX = {
-    int: r"-?(0|[1-9][0-9]{0,17})",
-    float: r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?",
-    bool: r"(True|False)",
-    str: r'"[^"\\\x00-\x1f]{0,256}"',
-}
+# The regexes ``dtype`` stands for.
+DTYPE_REGEX = {int: ir.REGEX_INT, float: ir.REGEX_FLOAT, bool: ir.REGEX_BOOL, str: ir.REGEX_STR}
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
@@ -32,8 +27,10 @@ def gen(
     name: str | None = None,
     max_tokens: int | None = None,
     min_tokens: int | None = None,
+    n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -57,11 +54,16 @@ def gen(
     ``json_schema`` is a dict, a JSON string or a pydantic model class (whose objects then admit
     only their declared fields, unless the model allows extras). ``choices`` makes this a
     ``select``. ``tools`` (``@tool`` functions) makes the output one valid call, stored as
-    ``{"name", "arguments"}``.
+    ``{"name", "arguments"}``. ``n=k`` draws k samples that share the prompt's KV: the variable
+    is the list of the k texts (its meta info the list of their meta infos) and the program's
+    text goes on with the first. ``stop_regex`` stops at the first match of a pattern in the
+    generated text (trimmed from the output, like ``stop``).
     """
     label = ir.describe_call("gen", name, max_tokens=max_tokens, stop=stop, temperature=temperature, dtype=dtype, regex=regex, json_schema=json_schema, choices=choices, tools=[getattr(t, "name", getattr(t, "__name__", t)) for t in tools] if tools else None)
     if choices is not None:
         return select(name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized)
+    if n is not None and n != 1 and (tools is not None or choices is not None):
+        raise ValueError(f"{label}: n > 1 cannot be combined with tools or choices")
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype), ("tools", tools)) if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"{label}: give at most one of regex, json_schema, dtype, tools (got {', '.join(constraints)})")
@@ -74,7 +76,8 @@ def gen(
             raise ValueError(f"{label}: invalid regex {regex!r}: {exc}") from None
     schema = _schema_text(json_schema, label) if json_schema is not None else None
     params = {
-        "max_new_tokens": max_tokens, "min_new_tokens": min_tokens, "stop": stop, "stop_token_ids": stop_token_ids,
+        "max_new_tokens": max_tokens, "min_new_tokens": min_tokens, "n": n, "stop": stop, "stop_token_ids": stop_token_ids,
+        "stop_regex": stop_regex,
         "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
         "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty, "ignore_eos": ignore_eos,
     }

@@ -22,6 +22,7 @@ from typing import Any
 from radixlm.lang import ir
 from radixlm.lang.choices import score_choices
 from radixlm.lang.errors import CallSite, ProgramError
+from radixlm.lang.global_config import global_config
 from radixlm.lang.tools import CLOSE, OPEN, calls_schema
 from radixlm.lang.transcript import Transcript
 
@@ -55,6 +56,16 @@ def _label(expr: ir.Expr) -> str:
     if isinstance(expr, ir.CachePrefix):
         return "fork()"
     return "text"
+
+
+def _output_defaults() -> dict[str, Any]:
+    """The detokenization settings of ``global_config`` that differ from the runtime's defaults."""
+    params: dict[str, Any] = {}
+    if not global_config.skip_special_tokens_in_output:
+        params["skip_special_tokens"] = False
+    if not global_config.spaces_between_special_tokens_in_out:
+        params["spaces_between_special_tokens"] = False
+    return params
 
 
 def _check_finished(out: dict[str, Any]) -> None:
@@ -104,6 +115,11 @@ class StreamExecutor:
                 self._thread.start()
             self.cond.notify_all()
 
+    @property
+    def ended(self) -> bool:
+        """True once no more expressions may be submitted (the program returned)."""
+        return self._ended
+
     def sync(self) -> None:
         """Wait until everything submitted so far has run (or been skipped after an error)."""
         with self.cond:
@@ -144,6 +160,18 @@ class StreamExecutor:
             raise self.error.again()
         raise KeyError(f"no variable {name!r} (variables: {', '.join(sorted(self.variables)) or 'none'})")
 
+    def has_var(self, name: str) -> bool:
+        """True when ``name`` is set, after waiting for a queued call that sets it."""
+        event = self._var_events.get(name)
+        if event is not None:
+            event.wait()
+        return name in self.variables
+
+    def set_var_now(self, name: str, value: Any) -> None:
+        """Set a variable of a finished state directly (nothing is queued any more)."""
+        self.sync()
+        self._set_var(name, value)
+
     def var_done(self, name: str) -> bool:
         """True once the latest producer of ``name`` has run (or the program has finished)."""
         event = self._var_events.get(name)
@@ -152,10 +180,11 @@ class StreamExecutor:
     # ------------------------------------------------------------- branching
     def fork(self, size: int, site: CallSite | None) -> list[StreamExecutor]:
         """``size`` executors continuing from this one's text; the shared text is prefilled first."""
-        if size > 1 and not self._ended:
+        precache = size > 1 and global_config.enable_parallel_encoding
+        if precache and not self._ended:
             self.submit(ir.CachePrefix(), site)
         self.sync()
-        if size > 1 and self._ended and self.error is None and self.transcript.text:
+        if precache and self._ended and self.error is None and self.transcript.text:
             _check_finished(self.backend.cache_prefix(self.transcript.text))  # forking a finished state
         if self.error is not None:
             raise self.error.again()
@@ -244,12 +273,20 @@ class StreamExecutor:
         }
 
     def _gen(self, g: ir.Gen) -> None:
-        params = {**self.defaults.sampling_params, **g.sampling_params}
+        params = {**_output_defaults(), **self.defaults.sampling_params, **g.sampling_params}
         if g.regex is not None:
             params["regex"] = g.regex
         if g.json_schema is not None:
             params["json_schema"] = g.json_schema
         prompt, options = self.transcript.text, self._options(g)
+        if params.get("n", 1) > 1:  # k samples sharing the prompt: the text goes on with the first
+            outs = self.backend.generate(prompt, params, **options)
+            for out in outs:
+                _check_finished(out)
+            self._append(outs[0]["text"])
+            if g.name is not None:
+                self._set_var(g.name, [o["text"] for o in outs], [o["meta_info"] for o in outs])
+            return
         if self.stream:
             out = self._stream(g.name, prompt, params, options)
         else:
@@ -278,7 +315,7 @@ class StreamExecutor:
         return {**out, "meta_info": {**out["meta_info"], **logprobs}}
 
     def _gen_call(self, g: ir.Gen) -> None:
-        run_level = {k: v for k, v in self.defaults.sampling_params.items() if k != "stop"}  # a run's stop must not cut the call
+        run_level = {k: v for k, v in self.defaults.sampling_params.items() if k not in ("stop", "stop_regex", "n")}  # a run's stops must not cut the call, nor its n split it
         params = {**run_level, **g.sampling_params}
         params["json_schema"] = json.dumps(calls_schema(g.tools))
         self._append(OPEN)

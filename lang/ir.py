@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# SGLang's names for the regexes of ``gen(dtype=...)``; bounded, so a constrained generation always ends.
+REGEX_INT = r"-?(0|[1-9][0-9]{0,17})"
+REGEX_FLOAT = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,8})?"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r'"[^"\\\x00-\x1f]{0,256}"'
+
 
 class Expr:
     """A piece of a prompt program; ``a + b`` concatenates pieces and strings."""

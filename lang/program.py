@@ -5,37 +5,38 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from radixlm.lang.backend.base import Backend
+from radixlm.lang.global_config import global_config
 from radixlm.lang.interpreter import RunDefaults, StreamExecutor
 from radixlm.lang.state import ProgramState
 from radixlm.lang.tracer import Argument, Trace, TracingState, trace_program
 from radixlm.runtime.sampling_params import SamplingParams
 
-_default_backend: Backend | None = None  # SGLang's one global setting
-
 
 def set_default_backend(backend: Any) -> None:
     """The backend programs run on when ``run`` gets none (a Backend or a ``radixlm.Engine``)."""
-    global _default_backend
-    _default_backend = as_backend(backend)
+    global_config.default_backend = as_backend(backend)
 
 
 def get_default_backend() -> Backend | None:
-    """The backend set by ``set_default_backend``."""
-    return _default_backend
+    """The backend set by ``set_default_backend`` (or assigned to ``global_config.default_backend``)."""
+    backend = global_config.default_backend
+    if backend is not None and not isinstance(backend, Backend):
+        global_config.default_backend = backend = as_backend(backend)  # wrap an Engine once
+    return backend
 
 
 def as_backend(backend: Any) -> Backend:
     """A Backend for ``backend`` (an in-process ``radixlm.Engine`` is wrapped)."""
-    from radixlm.runtime.engine import Engine
-
     if isinstance(backend, Backend):
         return backend
-    if isinstance(backend, Engine):
+    engine_module = sys.modules.get("radixlm.runtime.engine")  # no Engine exists before it is imported
+    if engine_module is not None and isinstance(backend, engine_module.Engine):
         from radixlm.lang.backend.engine import EngineBackend
 
         return EngineBackend(backend)
@@ -45,14 +46,16 @@ def as_backend(backend: Any) -> Backend:
 def _resolve(backend: Any) -> Backend:
     if backend is not None:
         return as_backend(backend)
-    if _default_backend is None:
+    default = get_default_backend()
+    if default is None:
         raise RuntimeError("no backend: pass backend=... or call radixlm.set_default_backend(...) first")
-    return _default_backend
+    return default
 
 
-def _defaults(caller: str, max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs) -> RunDefaults:
+def _defaults(caller: str, max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs) -> RunDefaults:
     params = {
-        "max_new_tokens": max_new_tokens, "stop": stop, "stop_token_ids": stop_token_ids, "temperature": temperature,
+        "max_new_tokens": max_new_tokens, "n": None if n == 1 else n, "stop": stop, "stop_token_ids": stop_token_ids,
+        "stop_regex": stop_regex or None, "temperature": temperature,
         "top_p": top_p, "top_k": top_k, "min_p": min_p, "frequency_penalty": frequency_penalty,
         "presence_penalty": presence_penalty, "ignore_eos": ignore_eos,
     }
@@ -91,6 +94,14 @@ class Function:
             raise RuntimeError("a traced argument reached a nested program")
         return self.run(*args, **kwargs)
 
+    def _keywords(self, values: list | tuple) -> dict[str, Any]:
+        """The keyword form of one instance's positional arguments (for ``run_batch``)."""
+        try:
+            bound = inspect.signature(self.func).bind_partial(None, *values)
+        except TypeError as exc:
+            raise TypeError(f"{self.func.__name__}(): {exc}") from None
+        return dict(list(bound.arguments.items())[1:])
+
     def _bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         merged = {**self.bind_arguments, **kwargs}
         try:
@@ -103,8 +114,10 @@ class Function:
         self,
         *args: Any,
         max_new_tokens: int = 128,
+        n: int = 1,
         stop: str | list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -125,7 +138,7 @@ class Function:
         Returns the final state (with ``stream=True`` at once, while the program runs). A failed
         call is kept in ``state.error()`` and raised when its variable is read.
         """
-        defaults = _defaults(f"{self.func.__name__}.run", max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
+        defaults = _defaults(f"{self.func.__name__}.run", max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
         return self._start(_resolve(backend), defaults, stream, *self._bind(args, kwargs))
 
     def _start(self, backend: Backend, defaults: RunDefaults, stream: bool, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
@@ -136,6 +149,8 @@ class Function:
             return state
         self._body(state, args, kwargs, False)
         state.sync()
+        if global_config.verbosity >= 2:
+            print(state.text())
         return state
 
     def _body(self, state: ProgramState, args: tuple, kwargs: dict[str, Any], background: bool) -> None:
@@ -157,8 +172,10 @@ class Function:
         batch_kwargs: list[dict[str, Any]],
         *,
         max_new_tokens: int = 128,
+        n: int = 1,
         stop: str | list[str] | None = None,
         stop_token_ids: list[int] | None = None,
+        stop_regex: str | list[str] | None = None,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = -1,
@@ -175,18 +192,21 @@ class Function:
         progress_bar: bool = False,
         generator_style: bool = False,
     ) -> list[ProgramState] | Iterator[ProgramState]:
-        """Run the program once per kwargs dict, concurrently, after prefilling their shared prefix.
+        """Run the program once per argument set, concurrently, after prefilling their shared prefix.
 
-        The shared prefix is found by tracing the program's Python once with placeholder
-        arguments (arguments equal in every dict count as constants). Returns the states in
+        Each item of ``batch_kwargs`` is a dict of keyword arguments or a list/tuple of positional
+        ones. The shared prefix is found by tracing the program's Python once with placeholder
+        arguments (arguments equal in every instance count as constants); set
+        ``global_config.enable_precache_with_tracing = False`` to skip it. Returns the states in
         order (``generator_style``: yields each in order as it finishes).
         """
-        if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(kw, dict) for kw in batch_kwargs):
-            raise TypeError("run_batch takes a list of keyword-argument dicts")
-        defaults = _defaults(f"{self.func.__name__}.run_batch", max_new_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
+        if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(kw, (dict, list, tuple)) for kw in batch_kwargs):
+            raise TypeError("run_batch takes a list of keyword-argument dicts or of positional-argument lists")
+        batch_kwargs = [kw if isinstance(kw, dict) else self._keywords(kw) for kw in batch_kwargs]
+        defaults = _defaults(f"{self.func.__name__}.run_batch", max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
         backend = _resolve(backend)
         bound = [self._bind((), kw) for kw in batch_kwargs]
-        if len(batch_kwargs) > 1:
+        if len(batch_kwargs) > 1 and global_config.enable_precache_with_tracing:
             self.cache(backend, **_shared_values(batch_kwargs))
         if num_threads == "auto":
             num_threads = min(max(len(batch_kwargs), 1), 128)
@@ -215,7 +235,7 @@ class Function:
 
     def trace(self, *, backend: Any = None, **kwargs: Any) -> Trace:
         """Find the text every call shares by running the Python with placeholders (given arguments are fixed)."""
-        backend = as_backend(backend) if backend is not None else _default_backend
+        backend = as_backend(backend) if backend is not None else get_default_backend()
         return trace_program(self.func, {**self.bind_arguments, **kwargs}, backend)
 
     def cache(self, backend: Any = None, **kwargs: Any) -> Trace:

@@ -20,6 +20,7 @@ class ProgramState(RoleMethods):
     def __init__(self, executor: StreamExecutor, body: threading.Thread | None = None) -> None:
         self._ex = executor
         self._body = body  # the thread running the program's Python, for ``run(stream=True)``
+        self._group: ProgramStateGroup | None = None  # set on a ``copy()``, joined when its ``with`` ends
         self.ret_value: Any = None
 
     def _settle(self) -> None:
@@ -57,7 +58,11 @@ class ProgramState(RoleMethods):
         return self.get_var(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
-        self._ex.submit(ir.SetVar(name, value), caller_site())
+        self.set_var(name, value)
+
+    def __contains__(self, name: object) -> bool:
+        """True when variable ``name`` is set (waits for a queued call that sets it)."""
+        return isinstance(name, str) and self._ex.has_var(name)
 
     def get_var(self, name: str) -> Any:
         """The value of variable ``name`` (waits for the call that sets it)."""
@@ -66,8 +71,17 @@ class ProgramState(RoleMethods):
         return self._ex.get_var(name)
 
     def set_var(self, name: str, value: Any) -> None:
-        """Set variable ``name`` (in order with the program's other calls)."""
-        self._ex.submit(ir.SetVar(name, value), caller_site())
+        """Set variable ``name`` (in order with the program's other calls; at once on a finished state)."""
+        if not isinstance(name, str):
+            raise TypeError(f"variable names are strings, not {type(name).__name__}")
+        if not self._ex.ended:
+            try:
+                self._ex.submit(ir.SetVar(name, value), caller_site())
+                return
+            except RuntimeError:  # the program returned meanwhile
+                pass
+        self._settle()
+        self._ex.set_var_now(name, value)
 
     def get_meta_info(self, name: str) -> dict[str, Any] | None:
         """The runtime's meta_info of the call that set ``name`` (tokens, cache hits, logprobs)."""
@@ -106,8 +120,27 @@ class ProgramState(RoleMethods):
         return ProgramStateGroup([ProgramState(b) for b in branches], self)
 
     def copy(self) -> ProgramState:
-        """One independent state continuing from this one."""
-        return self.fork(1)[0]
+        """One independent state continuing from this one.
+
+        Used as ``with s.copy() as c:`` (SGLang's form), leaving the block joins it back: the
+        variables ``c`` set become one-element lists on ``s``.
+        """
+        group = self.fork(1)
+        branch = group[0]
+        branch._group = group
+        return branch
+
+    def __enter__(self) -> ProgramState:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        group, self._group = self._group, None
+        if group is None:
+            return
+        if exc_type is None:
+            group.join()
+        else:  # the block failed: end the copy without raising over the block's own error
+            self._ex.end()
 
     # ----------------------------------------------------------- streaming
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
@@ -160,6 +193,11 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        """Accept ``group[i] += expr`` (Python stores the branch back); replacing a branch is an error."""
+        if value is not self.states[i]:
+            raise TypeError("a fork's branches cannot be replaced; extend one with group[i] += expr")
 
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.states)

@@ -125,20 +125,29 @@ def call_tool(call: dict[str, Any], tools: Sequence[Any], name: str | None = Non
     user role for templates without one). A tool that raises becomes an ``error: ...`` result the
     model can read, unless ``raise_errors``. With ``name``, the result is also stored as ``s[name]``.
     """
+    result, text, error = run_call(call, tools)
+    if error is not None and raise_errors:
+        raise error
+    items: list[Expr] = [RoleBegin("tool"), Constant(text), RoleEnd("tool")]
+    if name is not None:
+        items.append(SetVar(name, result, {"tool": call["name"], "text": text}))
+    return ExprList(items)
+
+
+def run_call(call: dict[str, Any], tools: Sequence[Any]) -> tuple[Any, str, Exception | None]:
+    """Run one call: ``(result, text for the model, the exception the tool raised or None)``.
+
+    A call of a tool not in ``tools`` raises ValueError; a tool that raises gives the text
+    ``error: <type>: <message>`` for the model to read.
+    """
     by_name = {t.name: t for t in as_tools(tools)}
     if not isinstance(call, dict) or call.get("name") not in by_name:
         raise ValueError(f"call_tool: {call!r} does not call one of {sorted(by_name)}")
     try:
         result = by_name[call["name"]].invoke(call.get("arguments") or {})
-        text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+        return result, result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str), None
     except Exception as exc:
-        if raise_errors:
-            raise
-        result, text = None, f"error: {type(exc).__name__}: {exc}"
-    items: list[Expr] = [RoleBegin("tool"), Constant(text), RoleEnd("tool")]
-    if name is not None:
-        items.append(SetVar(name, result, {"tool": call["name"], "text": text}))
-    return ExprList(items)
+        return None, f"error: {type(exc).__name__}: {exc}", exc
 
 
 _ARG_LINE = re.compile(r"^(\s+)(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -44,6 +45,8 @@ class ServerArgs:
     def resolved_device(self) -> str:
         """The concrete device name."""
         if self.device == "auto":
+            import torch  # here, so that reading server options never loads torch
+
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -51,6 +54,8 @@ class ServerArgs:
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         """The concrete torch dtype."""
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         try:

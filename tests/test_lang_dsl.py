@@ -108,7 +108,7 @@ def test_expressions_concatenate_with_strings():
 
 
 def test_run_without_a_backend_says_how_to_set_one(monkeypatch):
-    monkeypatch.setattr("radixlm.lang.program._default_backend", None)
+    monkeypatch.setattr(sgl.global_config, "default_backend", None)
 
     @sgl.function
     def prog(s):

@@ -193,7 +193,7 @@ def facts(s):
 
 
 def test_nested_functions_run_inline_or_as_their_own_program(lang_backend, monkeypatch):
-    monkeypatch.setattr("radixlm.lang.program._default_backend", lang_backend)
+    monkeypatch.setattr(sgl.global_config, "default_backend", lang_backend)
     state = facts.run(temperature=0)
     alone = topic_fact.run(topic="caches", temperature=0)
     assert state.text() == "Facts.\nTopic: radix trees. Fact:" + state["fact"] + "\nElsewhere: " + alone["fact"]
@@ -262,7 +262,7 @@ def test_bind_fixes_arguments_and_gen_returns_logprobs(lang_backend):
 
 
 def test_set_default_backend_accepts_an_engine(lang_engine_backend, monkeypatch):
-    monkeypatch.setattr("radixlm.lang.program._default_backend", None)
+    monkeypatch.setattr(sgl.global_config, "default_backend", None)
     sgl.set_default_backend(lang_engine_backend.engine)
     assert sgl.get_default_backend().engine is lang_engine_backend.engine
     assert story.run(temperature=0).text() == story.run(backend=lang_engine_backend, temperature=0).text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from radixlm.lang.chat_template import ChatTemplate
@@ -12,6 +13,41 @@ from radixlm.lang.chat_template import ChatTemplate
 
 class BackendError(RuntimeError):
     """The runtime failed or could not be reached (not a problem with the request itself)."""
+
+
+@dataclass
+class TokenUsage:
+    """Tokens a backend's requests have used so far (``backend.token_usage``); thread-safe."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0) -> None:
+        """Count one request."""
+        with self._lock:
+            self.prompt_tokens += prompt_tokens
+            self.completion_tokens += completion_tokens
+            self.cached_tokens += cached_tokens
+            self.requests += 1
+
+    def add_outputs(self, outputs: Any) -> None:
+        """Count the final ``{"text", "meta_info"}`` output(s) of radixlm requests."""
+        for out in outputs if isinstance(outputs, list) else [outputs]:
+            meta = out.get("meta_info") or {}
+            self.add(meta.get("prompt_tokens", 0), meta.get("completion_tokens", 0), meta.get("cached_tokens", 0))
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+    def reset(self) -> None:
+        """Start counting from zero."""
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.requests = 0
 
 
 class Backend(ABC):
@@ -29,11 +65,14 @@ class Backend(ABC):
       ``input_token_logprobs`` (``(logprob, token_id, text)`` triples) when logprobs were asked.
     - Texts are tokenized by the runtime the way ``/generate`` tokenizes them (special tokens
       added), so ``tokenize`` and ``generate`` agree on token boundaries.
+    - With ``sampling_params["n"] = k > 1``, ``generate`` returns a list of k such results.
+    - Every request's final output is counted in ``token_usage``.
     """
 
     def __init__(self) -> None:
         self._template: ChatTemplate | None = None
         self._template_lock = threading.Lock()
+        self.token_usage = TokenUsage()
 
     @abstractmethod
     def generate(

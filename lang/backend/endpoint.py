@@ -45,11 +45,14 @@ class RuntimeEndpoint(Backend):
     # ---------------------------------------------------------------- backend
     def generate(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> dict[str, Any]:
         """POST /generate for one prompt; returns ``{"text", "meta_info"}``."""
-        return self._post("/generate", {"text": text, "sampling_params": sampling_params, **logprob_options})
+        out = self._post("/generate", {"text": text, "sampling_params": sampling_params, **logprob_options})
+        self.token_usage.add_outputs(out)
+        return out
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> Iterator[dict[str, Any]]:
         """POST /generate with ``stream``; yields each server-sent event."""
         body = {"text": text, "sampling_params": sampling_params, "stream": True, **logprob_options}
+        last = None
         try:
             with self.client.stream("POST", "/generate", json=body) as resp:
                 if resp.status_code != 200:
@@ -60,18 +63,23 @@ class RuntimeEndpoint(Backend):
                         continue
                     payload = line[5:].strip()
                     if payload == "[DONE]":
-                        return
+                        break
                     event = json.loads(payload)
                     if "error" in event:  # the request failed in the server after it started
                         raise BackendError(f"the server failed this request: {event['error'].get('message', event['error'])}")
+                    last = event
                     yield event
         except httpx.HTTPError as exc:
             raise BackendError(f"the stream from {self.base_url} broke: {exc}") from exc
+        if last is not None:
+            self.token_usage.add_outputs(last)
 
     def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
         """One batched /generate of prompts with ``max_new_tokens=0`` and prompt logprobs."""
         body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": logprob_start_len}
-        return self._post("/generate", body)
+        outs = self._post("/generate", body)
+        self.token_usage.add_outputs(outs)
+        return outs
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """POST /tokenize with a list of prompts."""

@@ -23,23 +23,31 @@ class EngineBackend(Backend):
     def generate(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> dict[str, Any]:
         """Complete ``text``; returns the final ``{"text", "meta_info"}``."""
         try:
-            return self.engine.generate(prompt=text, sampling_params=sampling_params, **logprob_options)
+            out = self.engine.generate(prompt=text, sampling_params=sampling_params, **logprob_options)
         except EngineError as exc:
             raise BackendError(str(exc)) from exc
+        self.token_usage.add_outputs(out)
+        return out
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> Iterator[dict[str, Any]]:
         """Cumulative outputs of one streamed request."""
+        out = None
         try:
-            yield from self.engine.generate(prompt=text, sampling_params=sampling_params, stream=True, **logprob_options)
+            for out in self.engine.generate(prompt=text, sampling_params=sampling_params, stream=True, **logprob_options):
+                yield out
         except EngineError as exc:
             raise BackendError(str(exc)) from exc
+        if out is not None:
+            self.token_usage.add_outputs(out)
 
     def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
         """Prompt-only batch with prompt logprobs from ``logprob_start_len``."""
         try:
-            return self.engine.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=logprob_start_len)
+            outs = self.engine.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=logprob_start_len)
         except EngineError as exc:
             raise BackendError(str(exc)) from exc
+        self.token_usage.add_outputs(outs)
+        return outs
 
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text."""
