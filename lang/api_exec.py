@@ -6,7 +6,9 @@
   (completions with ``echo``), and otherwise generates one choice: constrained to the choices by a
   regex on servers with SGLang's extensions, else free text matched to the nearest choice.
   ``meta_info["select_method"]`` says which way was used.
-- ``@function(num_api_spec_tokens=N)`` speculates (see ``radixlm.lang.api_spec``).
+- ``@function(num_api_spec_tokens=N)`` speculates (see ``radixlm.lang.api_spec``), except in
+  ``run(stream=True)`` and for constrained, ``n`` > 1 or logprob-returning ``gen`` calls, which
+  are sent as they are.
 
 Everything else (roles, constant text, variables, a completion model's plain ``gen``) is left
 to the interpreter, which sends completion models the text through ``OpenAI.generate``.
@@ -112,7 +114,8 @@ class ApiExecution:
         if t.role != "assistant":
             raise ValueError(f"{label}: {self.backend.model!r} is a chat model, which writes whole assistant messages: put it inside one (s += assistant({label}))")
         if t.text[t.role_start :]:
-            raise ValueError(f"{label}: a chat model writes whole assistant messages, so it must come first in its message; for text before or between gen calls use @function(num_api_spec_tokens=...)")
+            hint = "num_api_spec_tokens does not apply with stream=True" if self.spec_tokens and self.ex.stream else "for text before or between gen calls use @function(num_api_spec_tokens=...)"
+            raise ValueError(f"{label}: a chat model writes whole assistant messages, so it must come first in its message; {hint}")
 
     def _chat_gen(self, g: ir.Gen) -> None:
         self._open_assistant(g.label)
