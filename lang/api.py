@@ -18,9 +18,22 @@ DTYPE_REGEX = {int: ir.REGEX_INT, float: ir.REGEX_FLOAT, bool: ir.REGEX_BOOL, st
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
-def function(func: Callable[..., Any] | None = None) -> Any:
-    """Make a prompt program of ``func`` (its first parameter is the state ``s``); ``@function()`` works too."""
-    return Function(func) if func is not None else Function
+def function(func: Callable[..., Any] | None = None, *, num_api_spec_tokens: int | None = None) -> Any:
+    """Make a prompt program of ``func`` (its first parameter is the state ``s``); ``@function()`` works too.
+
+    ``num_api_spec_tokens`` turns on API speculative execution (SGLang's meaning) on the
+    ``OpenAI`` backend: one request generates at least that many tokens and the program's
+    following ``gen`` calls are served from it while the program's text still matches, so fewer
+    requests and prompt tokens are sent; on a chat model the ``gen`` calls of one assistant
+    message are written by one request at the message's end. The local backends
+    (``EngineBackend``, ``Runtime``, ``RuntimeEndpoint``) take it as a hint and ignore it: their
+    radix cache already makes the repeated prompt free.
+    """
+    if num_api_spec_tokens is not None and (not isinstance(num_api_spec_tokens, int) or isinstance(num_api_spec_tokens, bool) or num_api_spec_tokens < 1):
+        raise ValueError(f"num_api_spec_tokens must be a positive integer, got {num_api_spec_tokens!r}")
+    if func is not None:
+        return Function(func, num_api_spec_tokens=num_api_spec_tokens)
+    return lambda f: Function(f, num_api_spec_tokens=num_api_spec_tokens)
 
 
 def gen(

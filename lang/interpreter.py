@@ -74,11 +74,19 @@ def _check_finished(out: dict[str, Any]) -> None:
         raise RuntimeError(f"the runtime aborted the request: {finish.get('message')}")
 
 
+def _program_hook(backend: Any, executor: StreamExecutor) -> Any:
+    """The backend's own runner of some calls (``program_hook``: an API backend's), or None."""
+    make = getattr(backend, "program_hook", None)
+    return make(executor) if make is not None else None
+
+
 class StreamExecutor:
     """Executes the expressions submitted to one program state."""
 
-    def __init__(self, backend, defaults: RunDefaults, stream: bool = False, transcript: Transcript | None = None, variables: dict | None = None, meta_info: dict | None = None) -> None:
+    def __init__(self, backend, defaults: RunDefaults, stream: bool = False, transcript: Transcript | None = None, variables: dict | None = None, meta_info: dict | None = None, num_api_spec_tokens: int | None = None) -> None:
         self.backend = backend
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.hook = _program_hook(backend, self)
         self.defaults = defaults
         self.stream = stream
         self.transcript = transcript or Transcript(backend.get_chat_template if backend is not None else lambda: None)
@@ -188,7 +196,7 @@ class StreamExecutor:
             _check_finished(self.backend.cache_prefix(self.transcript.text))  # forking a finished state
         if self.error is not None:
             raise self.error.again()
-        branches = [StreamExecutor(self.backend, self.defaults, self.stream, self.transcript.copy(), self.variables, self.meta_info) for _ in range(size)]
+        branches = [StreamExecutor(self.backend, self.defaults, self.stream, self.transcript.copy(), self.variables, self.meta_info, self.num_api_spec_tokens) for _ in range(size)]
         with self.cond:
             self.children.extend(branches)
         return branches
@@ -221,6 +229,8 @@ class StreamExecutor:
             self.cond.notify_all()
 
     def _execute(self, expr: ir.Expr) -> None:
+        if self.hook is not None and self.hook.run(expr):
+            return
         t = self.transcript
         if isinstance(expr, ir.Constant):
             self._append(expr.text)

@@ -70,11 +70,12 @@ def _defaults(caller: str, max_new_tokens, n, stop, stop_token_ids, stop_regex, 
 class Function:
     """A prompt program: Python whose first parameter is the state ``s`` (make one with ``@function``)."""
 
-    def __init__(self, func: Callable[..., Any], bind_arguments: dict[str, Any] | None = None) -> None:
+    def __init__(self, func: Callable[..., Any], bind_arguments: dict[str, Any] | None = None, num_api_spec_tokens: int | None = None) -> None:
         params = list(inspect.signature(func).parameters)
         if not params:
             raise TypeError(f"@function {func.__name__}: the first parameter must be the program state (s)")
         self.func = func
+        self.num_api_spec_tokens = num_api_spec_tokens  # API speculation: used by the OpenAI backend only
         self.bind_arguments = dict(bind_arguments or {})
         self.arg_names = params[1:]
         functools.update_wrapper(self, func)
@@ -84,7 +85,7 @@ class Function:
         unknown = sorted(set(kwargs) - set(self.arg_names))
         if unknown:
             raise TypeError(f"{self.func.__name__}() has no parameter {unknown[0]!r}")
-        return Function(self.func, {**self.bind_arguments, **kwargs})
+        return Function(self.func, {**self.bind_arguments, **kwargs}, self.num_api_spec_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Inside a program, ``fn(s, ...)`` runs this body on state ``s``; otherwise it is ``run``."""
@@ -142,7 +143,7 @@ class Function:
         return self._start(_resolve(backend), defaults, stream, *self._bind(args, kwargs))
 
     def _start(self, backend: Backend, defaults: RunDefaults, stream: bool, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
-        state = ProgramState(StreamExecutor(backend, defaults, stream))
+        state = ProgramState(StreamExecutor(backend, defaults, stream, num_api_spec_tokens=self.num_api_spec_tokens))
         if stream:
             state._body = threading.Thread(target=self._body, args=(state, args, kwargs, True), name="radixlm-program-body", daemon=True)
             state._body.start()

@@ -86,3 +86,23 @@ def smollm2_backend(smollm2_path: str):
     backend = EngineBackend(model_path=smollm2_path)
     yield backend
     backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama: str):
+    """``radixlm serve`` of the tiny Llama in a child process (``.base_url``), for HTTP clients."""
+    from helpers import ServerProcess
+
+    server = ServerProcess(tiny_llama)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_path: str):
+    """``radixlm serve`` of the embedded SmolLM2 in a child process (for outputs that must make sense)."""
+    from helpers import ServerProcess
+
+    server = ServerProcess(smollm2_path)
+    yield server
+    server.stop()
