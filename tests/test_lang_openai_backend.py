@@ -10,11 +10,11 @@ import openai
 import pytest
 
 from radixlm.lang.api import assistant, function, gen, select, system, user
-from radixlm.lang.api_exec import choices_regex, nearest_choice
-from radixlm.lang.api_spec import MessagePlan, Speculation, spec_key
+from radixlm.lang.api_speculation import MessagePlan, Speculation, spec_key
 from radixlm.lang.backend.openai import OpenAI, decide_chat_model
 from radixlm.lang.backend.openai_params import to_request
 from radixlm.lang.errors import ProgramError
+from radixlm.lang.remote_calls import choices_regex, nearest_choice
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,11 @@ class TokenUsage:
         """Prompt plus completion tokens."""
         return self.prompt_tokens + self.completion_tokens
 
+    def snapshot(self) -> dict[str, int]:
+        """The counts now, as a dict."""
+        with self._lock:
+            return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens, "requests": self.requests}
+
     def reset(self) -> None:
         """Start counting from zero."""
         with self._lock:

@@ -3,7 +3,7 @@
 Requests go through the ``openai`` client package, imported when a backend is created (so that
 ``import radixlm`` stays light). How the program's calls become requests (messages for chat
 models, ``select`` without prompt logprobs, API speculative execution) is in
-``radixlm.lang.api_exec``; this module sends requests and keeps the token usage.
+``radixlm.lang.remote_calls``; this module sends requests and keeps the token usage.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -29,35 +28,6 @@ DEFAULT_TEMPLATE = ChatTemplate(
     roles={r: (f"<|im_start|>{r}\n", "<|im_end|>\n") for r in ("system", "user", "assistant", "tool")},
     generation_prompt="<|im_start|>assistant\n",
 )
-
-
-@dataclass
-class TokenUsage:
-    """Tokens used by every request a backend sent (thread-safe; ``reset()`` starts over)."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens the server reported as cached
-    requests: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, prompt: int, completion: int, cached: int) -> None:
-        """Count one request."""
-        with self._lock:
-            self.prompt_tokens += prompt
-            self.completion_tokens += completion
-            self.cached_tokens += cached
-            self.requests += 1
-
-    def reset(self) -> None:
-        """Zero every count."""
-        with self._lock:
-            self.prompt_tokens = self.completion_tokens = self.cached_tokens = self.requests = 0
-
-    def snapshot(self) -> dict[str, int]:
-        """The counts now, as a dict."""
-        with self._lock:
-            return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens, "requests": self.requests}
 
 
 def decide_chat_model(model: str) -> bool:
@@ -107,7 +77,6 @@ class OpenAI(Backend):
         self.base_url = str(self.client.base_url).rstrip("/")
         self.is_chat_model = decide_chat_model(model) if is_chat_model is None else bool(is_chat_model)
         self.server_extensions = server_extensions
-        self.token_usage = TokenUsage()
         self._fixed_template = chat_template
         self._refused: set[str] = set()  # features the server refused once (e.g. "prompt_logprobs")
         self._refused_lock = threading.Lock()
@@ -246,8 +215,8 @@ class OpenAI(Backend):
         return True
 
     def program_hook(self, executor: Any) -> Any:
-        """What runs a program state's calls on this backend (see ``radixlm.lang.api_exec``)."""
-        from radixlm.lang.api_exec import ApiExecution
+        """What runs a program state's calls on this backend (see ``radixlm.lang.remote_calls``)."""
+        from radixlm.lang.remote_calls import ApiExecution
 
         return ApiExecution(self, executor)
 

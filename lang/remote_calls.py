@@ -6,7 +6,7 @@
   (completions with ``echo``), and otherwise generates one choice: constrained to the choices by a
   regex on servers with SGLang's extensions, else free text matched to the nearest choice.
   ``meta_info["select_method"]`` says which way was used.
-- ``@function(num_api_spec_tokens=N)`` speculates (see ``radixlm.lang.api_spec``), except in
+- ``@function(num_api_spec_tokens=N)`` speculates (see ``radixlm.lang.api_speculation``), except in
   ``run(stream=True)`` and for constrained, ``n`` > 1 or logprob-returning ``gen`` calls, which
   are sent as they are.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixlm.lang import ir
-from radixlm.lang.api_spec import MessagePlan, Speculation, spec_key, token_ends
+from radixlm.lang.api_speculation import MessagePlan, Speculation, spec_key, token_ends
 from radixlm.lang.choices import ChoiceScores
 
 _NO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
