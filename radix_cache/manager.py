@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.pool import SlotAllocator
 from radixlm.radix_cache.req_table import ReqToTokenTable
 from radixlm.radix_cache.tree import RadixCache, TreeNode
@@ -34,6 +35,7 @@ class KVState:
     cached_len: int = 0
     kv_len: int = 0
     alloc_len: int = 0
+    origin: Origin | None = None  # recorded on the tree nodes this request's KV creates
 
     @property
     def owned(self) -> int:
@@ -77,7 +79,7 @@ class KVManager:
         result = self.tree.match_prefix(tokens[: max(max_len, 0)])
         return result.slots, result.last_node
 
-    def admit(self, prefix_slots: torch.Tensor, last_node: TreeNode) -> KVState | None:
+    def admit(self, prefix_slots: torch.Tensor, last_node: TreeNode, origin: Origin | None = None) -> KVState | None:
         """Give a request a table row seeded with its cached prefix; locks the prefix.
 
         Returns None when no table row is free.
@@ -88,7 +90,7 @@ class KVManager:
         self.tree.inc_lock_ref(last_node)
         n = len(prefix_slots)
         self.table.write(row, 0, prefix_slots)
-        return KVState(row=row, last_node=last_node, cached_len=n, kv_len=n, alloc_len=n)
+        return KVState(row=row, last_node=last_node, cached_len=n, kv_len=n, alloc_len=n, origin=origin)
 
     def reserve(self, state: KVState, new_len: int) -> bool:
         """Make sure positions ``< new_len`` have slots; False (nothing changed) when short.
@@ -132,7 +134,7 @@ class KVManager:
         if aligned <= state.cached_len or self.tree.disable:
             return
         row_slots = self.table.read(state.row, 0, aligned)
-        present = self.tree.insert(tokens[:aligned], row_slots)
+        present = self.tree.insert(tokens[:aligned], row_slots, state.origin)
         if present > state.cached_len:
             self.allocator.free_slots(row_slots[state.cached_len : present].clone())
         result = self.tree.match_prefix(tokens[:aligned])

@@ -12,16 +12,24 @@ and only unlocked leaves can be evicted (LRU order)::
 
 ``evictable_size`` counts slots in unlocked nodes, ``protected_size`` slots in locked ones; their
 sum is every slot the tree holds. All lengths are whole pages when ``page_size > 1``.
+
+With ``track_origins`` each node also records its ``Origin`` (who computed it) and how many
+requests reused it, and evicted edges go to a bounded ``EvictionLog``. A retention hint
+(``protect``) sets ``protect_until`` on a path: eviction takes unhinted leaves first and hinted
+ones only when nothing else is left (a soft hint, never a pin).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from radixlm.radix_cache.origin import EvictionLog, Origin, path_key
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -36,6 +44,9 @@ class TreeNode:
     children: dict = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    origin: Origin | None = None  # who computed these tokens (with track_origins)
+    reuse: int = 0  # requests that matched through this node since it was computed
+    protect_until: float = 0.0  # time.monotonic() until which a retention hint holds
 
     def is_leaf(self) -> bool:
         """True when no edge leaves this node."""
@@ -66,10 +77,16 @@ class RadixCache:
         free_slots: Callable[[torch.Tensor], None],
         page_size: int = 1,
         disable: bool = False,
+        track_origins: bool = False,
     ) -> None:
         self._free_slots = free_slots
         self.page_size = page_size
         self.disable = disable
+        self.track_origins = track_origins
+        self.evictions = EvictionLog()
+        self.retention_hits = 0  # requests whose match reused a prefix under a live hint
+        self.evicted_despite_hint = 0  # hinted leaves evicted because nothing else was left
+        self._hinted = False  # set by the first ``protect``: until then matches skip the hint walk
         self._clock = itertools.count(1)
         self.reset()
 
@@ -123,6 +140,9 @@ class RadixCache:
             parent=child.parent,
             lock_ref=child.lock_ref,
             last_access=child.last_access,
+            origin=child.origin,
+            reuse=child.reuse,
+            protect_until=child.protect_until,
         )
         upper.children[self._child_key(child.key, at)] = child
         child.parent.children[self._child_key(child.key, 0)] = upper
@@ -165,12 +185,12 @@ class RadixCache:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor) -> int:
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, origin: Origin | None = None) -> int:
         """Add ``tokens`` → ``slots``; return how many leading tokens were already cached.
 
         The caller keeps ownership of ``slots[:returned]`` (duplicates of what the tree already
         holds: free them) and hands ``slots[returned:]`` to the tree. Only the page-aligned part
-        of ``tokens`` is inserted.
+        of ``tokens`` is inserted; the new node records ``origin`` (when origins are tracked).
         """
         if len(tokens) != len(slots):
             raise ValueError(f"insert got {len(tokens)} tokens but {len(slots)} slots")
@@ -190,11 +210,48 @@ class RadixCache:
             node, pos = child, pos + common
         if pos < n:
             leaf = TreeNode(
-                key=tuple(tokens[pos:n]), value=slots[pos:n].clone(), parent=node, last_access=now
+                key=tuple(tokens[pos:n]), value=slots[pos:n].clone(), parent=node, last_access=now,
+                origin=origin if self.track_origins else None,
             )
             node.children[self._child_key(tokens, pos)] = leaf
             self._evictable += n - pos
         return pos
+
+    def note_reuse(self, node: TreeNode) -> bool:
+        """Count one request reusing the path that ends at ``node``; True if a hint protected it."""
+        if not (self.track_origins or self._hinted):
+            return False
+        now, hinted = time.monotonic(), False
+        while node is not self.root:
+            node.reuse += 1
+            hinted = hinted or node.protect_until > now
+            node = node.parent
+        if hinted:
+            self.retention_hits += 1
+        return hinted
+
+    def protect(self, tokens: Sequence[int], ttl: float) -> int:
+        """Ask eviction to spare the cached prefix of ``tokens`` for ``ttl`` seconds; returns its length.
+
+        A soft hint: hinted leaves are evicted last, and still evicted when nothing else is left.
+        """
+        if ttl <= 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        result = self.match_prefix(tokens)
+        until, node = time.monotonic() + ttl, result.last_node
+        while node is not self.root:
+            node.protect_until = max(node.protect_until, until)
+            node = node.parent
+        self._hinted = self._hinted or result.length > 0
+        return result.length
+
+    def path_tokens(self, node: TreeNode) -> list[int]:
+        """Every token from the root to the end of ``node``."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [t for key in reversed(keys) for t in key]
 
     # ----------------------------------------------------------------- locks
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -225,18 +282,29 @@ class RadixCache:
         """
         if num_tokens <= 0:
             return 0
-        heap = [n for n in self._iter_nodes() if n.is_leaf() and n.lock_ref == 0]
+        now, order = time.monotonic(), itertools.count()
+
+        def entry(n: TreeNode) -> tuple:  # unhinted first, then least recently used
+            return (n.protect_until > now, n.last_access, next(order), n)
+
+        heap = [entry(n) for n in self._iter_nodes() if n.is_leaf() and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            leaf = heapq.heappop(heap)
+            hinted, _, _, leaf = heapq.heappop(heap)
+            if hinted:
+                self.evicted_despite_hint += 1
+            if self.track_origins:
+                path = self.path_tokens(leaf)
+                start = len(path) - len(leaf.key)
+                self.evictions.record(path_key(path, start + self.page_size), len(path))
             self._free_slots(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
             parent = leaf.parent
             del parent.children[self._child_key(leaf.key, 0)]
             if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+                heapq.heappush(heap, entry(parent))
         return freed
 
     def clear(self) -> None:
@@ -272,6 +340,8 @@ class RadixCache:
             assert node.lock_ref >= 0, "negative lock count"
             if node.parent is not self.root:
                 assert node.parent.lock_ref >= node.lock_ref, "child locked more than its parent"
+                assert node.parent.reuse >= node.reuse, "child reused more often than its parent"
+                assert node.parent.protect_until >= node.protect_until, "child hinted longer than its parent"
             if node.lock_ref:
                 protected += len(node.key)
             else:
