@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
+from radixlm.runtime.cache_control import check_cache_options
 from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
@@ -69,7 +70,7 @@ def build_parts(args: ServerArgs) -> EngineParts:
     allocator = SlotAllocator(runner.max_total_tokens, args.page_size, device)
     width = -(-runner.context_len // args.page_size) * args.page_size  # whole pages per row
     table = ReqToTokenTable(args.max_running_requests + 8, width, device)
-    tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache)
+    tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache, track_origins=not args.disable_cache_explain)
     kv = KVManager(allocator, table, tree)
     end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
     scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids, tokenizer)
@@ -231,11 +232,19 @@ class Engine:
         stream: bool = False,
         rid: str | None = None,
         cache_salt: str | None = None,
+        return_cache_info: bool = False,
+        program: str | None = None,
+        prompt_cache_key: str | None = None,
+        cache_ttl: float | None = None,
+        retention: list[tuple[int, float]] | None = None,
     ) -> Req:
         """Validate one request and build its Req (raises ValueError naming the bad argument).
 
         ``cache_salt``: the request shares cached KV only with requests of the same salt (without
         one, a client can tell from ``cached_tokens`` whether others sent the same prefix).
+        ``return_cache_info`` adds the cache explanation to meta_info; ``program`` and
+        ``prompt_cache_key`` label the prefixes this request computes; ``cache_ttl`` (seconds) asks
+        eviction to spare the whole prompt that long, ``retention`` the given (length, ttl) prefixes.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -270,6 +279,9 @@ class Engine:
             raise ValueError("cache_salt must be a non-empty string")
         if rid is not None and rid in self._in_flight:
             raise ValueError(f"rid {rid!r} is already in flight")
+        hints = check_cache_options(return_cache_info, program, prompt_cache_key, cache_ttl, retention, not self.args.disable_cache_explain)
+        if cache_ttl is not None:
+            hints.append((len(input_ids), float(cache_ttl)))
         req = Req(
             rid=rid or uuid.uuid4().hex,
             input_ids=list(input_ids),
@@ -281,6 +293,10 @@ class Engine:
             logprob_start_len=logprob_start_len,
             return_text_in_logprobs=return_text_in_logprobs,
             cache_salt=cache_salt,
+            program=program,
+            prompt_cache_key=prompt_cache_key,
+            return_cache_info=return_cache_info,
+            retention=hints,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -348,10 +364,14 @@ class Engine:
         stream: bool = False,
         return_text_in_logprobs: bool = False,
         cache_salt: str | None = None,
+        return_cache_info: bool = False,
+        program: str | None = None,
+        prompt_cache_key: str | None = None,
+        cache_ttl: float | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl)
         if stream:
             if batch:
                 raise ValueError("stream=True takes a single prompt, not a batch")
@@ -408,10 +428,14 @@ class Engine:
         stream: bool = False,
         return_text_in_logprobs: bool = False,
         cache_salt: str | None = None,
+        return_cache_info: bool = False,
+        program: str | None = None,
+        prompt_cache_key: str | None = None,
+        cache_ttl: float | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl)
         if stream and batch:
             raise ValueError("stream=True takes a single prompt, not a batch")
         loop = asyncio.get_running_loop()
@@ -484,9 +508,18 @@ class Engine:
                 "cache_hit_rate": tree.hit_rate(),
                 "forward_passes": s.forward_passes,
                 "total_retracted": s.total_retracted,
+                "retention_hits": tree.retention_hits,
+                "evictions_despite_hint": tree.evicted_despite_hint,
             }
 
         return self._call(stats)
+
+    def cache_explanations(self, last: int = 20) -> list[dict[str, Any]]:
+        """The cache explanations of the last ``last`` admitted requests, oldest first."""
+        if not isinstance(last, int) or isinstance(last, bool) or last < 0:
+            raise ValueError(f"last must be an integer >= 0, got {last!r}")
+        explainer = self.scheduler.explainer
+        return self._call(lambda: explainer.last(last)) if explainer is not None else []
 
     def check_accounting(self) -> None:
         """Assert on the loop thread that every KV slot is free, in the tree or held by a request."""

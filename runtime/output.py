@@ -67,6 +67,8 @@ class OutputBuilder:
         }
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival
+        if req.return_cache_info and req.cache_info is not None:
+            meta["cache_info"] = req.cache_info
         offsets = (0, 0)
         if req.return_logprob:
             log = self._logs.get(req)

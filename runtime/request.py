@@ -99,6 +99,11 @@ class Req:
     draft_ids: list[int] = field(default_factory=list)  # forced text proposed by jump-forward, unverified
     accepted_draft_tokens: int = 0  # output tokens that came from verified drafts
     cache_salt: str | None = None  # requests share cached KV only with requests of the same salt
+    program: str | None = None  # the DSL program (or other origin label) this request came from
+    prompt_cache_key: str | None = None  # groups a session's requests (recorded with the origin)
+    return_cache_info: bool = False  # put the cache explanation in meta_info
+    retention: list[tuple[int, float]] = field(default_factory=list)  # (prefix tokens, ttl s) hints
+    cache_info: dict[str, Any] | None = None  # the cache explanation, built at first admission
 
     @property
     def fill_ids(self) -> list[int]:

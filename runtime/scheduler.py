@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from radixlm.radix_cache.manager import KVManager
+from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.tree import RadixCache
+from radixlm.runtime.cache_explain import CacheExplainer
 from radixlm.runtime.decoder import Decoder
 from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.model_runner import ModelRunner
@@ -78,6 +80,7 @@ class Scheduler:
         self.stats = StepStats()
         self.total_retracted = 0
         self.forward_passes = 0
+        self.explainer = None if args.disable_cache_explain else CacheExplainer(tokenizer)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -222,7 +225,8 @@ class Scheduler:
             if self.running:
                 need += int(min(req.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
                 need += self._reserved_headroom()
-            state = self.kv.admit(prefix_slots, node)
+            origin = Origin(req.rid, req.program, req.prompt_cache_key) if self.kv.tree.track_origins else None
+            state = self.kv.admit(prefix_slots, node, origin)
             if state is None:
                 break
             try:
@@ -240,6 +244,7 @@ class Scheduler:
             if req.cached_tokens < 0:
                 req.cached_tokens = len(prefix_slots)
                 self.kv.tree.record(len(req.input_ids), len(prefix_slots))
+                self._note_match(req, node)
                 if req.needs_prompt_logprobs() and req.logprob_start_len == 0:
                     req.input_logprobs.append(None)
                     req.input_top_logprobs.append(None)
@@ -249,6 +254,19 @@ class Scheduler:
             rows.append(Row(req, state.kv_len, length, sample=self._samples(req, state.kv_len + length)))
             budget -= length
         return rows
+
+    def _note_match(self, req: Req, node) -> None:
+        """Count the reuse of the matched path and explain the request's hit (first admission)."""
+        tree = self.kv.tree
+        tree.note_reuse(node)
+        if self.explainer is not None:
+            req.cache_info = self.explainer.explain(tree, req, node, req.max_cacheable_prefix())
+
+    def _protect(self, req: Req) -> None:
+        """Apply a finished request's retention hints to its now cached prefixes."""
+        ids = req.cache_ids
+        for length, ttl in req.retention:
+            self.kv.tree.protect(ids[: min(length, len(ids))], ttl)
 
     def _shares_in_batch(self, in_batch: RadixCache, req: Req, cached: int) -> bool:
         if self.kv.tree.disable or in_batch.total_size() == 0:
@@ -335,6 +353,8 @@ class Scheduler:
             state, req.kv = req.kv, None
             try:
                 self.kv.release(state, req.cache_ids if reason.status is None else None)
+                if req.retention and reason.status is None:
+                    self._protect(req)
             except Exception:
                 logger.exception("caching the KV of request %s failed; freeing it uncached", req.rid)
                 if state.alloc_len:

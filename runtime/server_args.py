@@ -31,6 +31,7 @@ class ServerArgs:
     chunked_prefill_size: int = _opt(512, "Most prompt tokens computed in one step (longer prompts are split).")
     schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first) or fcfs.", choices=["lpm", "fcfs"])
     disable_radix_cache: bool = _opt(False, "Do not share KV between requests (for ablations).")
+    disable_cache_explain: bool = _opt(False, "Do not record who computed each cached prefix nor explain cache hits (for measuring its cost).")
     quantization: str | None = _opt(None, "Weight-only quantization on CPU: int8, int4 (group 32, like GGUF Q4_1), or int4_bf16 (int4 for small batches, a bf16 copy for large ones); default: none.", choices=[None, "int8", "int4", "int4_bf16"])
     attention_backend: str = _opt("auto", "auto, torch or triton.", choices=["auto", "torch", "triton"])
     num_threads: int | None = _opt(None, "Torch intra-op threads on CPU; default: measured best for this machine (see README).")
