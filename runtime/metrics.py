@@ -26,6 +26,9 @@ class ServerMetrics:
         self.ttft = Histogram("radixlm_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("radixlm_inter_token_latency_seconds", "Mean time between output tokens, per request.", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.retention_hits = Counter("radixlm_cache_retention_hits", "Requests that reused a prefix while a retention hint protected it.", registry=r)
+        self.hint_evictions = Counter("radixlm_cache_evictions_despite_hint", "Cache leaves evicted under memory pressure despite a retention hint.", registry=r)
+        self._seen: dict[str, int] = {}  # engine counters already added to the Counters above
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
         """Count one finished request from its meta_info (a failed request's may lack counts)."""
@@ -48,4 +51,13 @@ class ServerMetrics:
         total = stats["max_total_tokens"]
         self.kv_usage.set((total - stats["free_slots"]) / total if total else 0.0)
         self.hit_rate.set(stats["cache_hit_rate"])
+        self._advance(self.retention_hits, "retention_hits", stats.get("retention_hits", 0))
+        self._advance(self.hint_evictions, "evictions_despite_hint", stats.get("evictions_despite_hint", 0))
         return generate_latest(self.registry)
+
+    def _advance(self, counter: Counter, name: str, total: int) -> None:
+        """Bring ``counter`` up to the engine's running ``total``."""
+        delta = total - self._seen.get(name, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[name] = total

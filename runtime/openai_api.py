@@ -64,6 +64,9 @@ class _Plan:
     tool_mode: str | None = None  # "required", "named", "auto"
     tool_name: str | None = None
     cache_salt: str | None = None
+    prompt_cache_key: str | None = None
+    return_cache_info: bool = False
+    retention: list[tuple[int, float]] = field(default_factory=list)  # (prefix tokens, ttl) per cache_control
     id: str = field(default_factory=lambda: new_id("cmpl"))
 
 
@@ -131,7 +134,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         prompts.append(ids)
     texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     sampling = _sampling(state, body, body.max_tokens, max(len(x) for x in prompts))
-    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt)
+    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info)
 
 
 def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
@@ -149,7 +152,8 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     use_tools = tools if choice != "none" else []
     messages = tool_calls.template_messages(body.messages, use_tools, renders)
     try:
-        text = apply_chat_template(engine.tokenizer, messages, tools=[t.model_dump() for t in use_tools] if (renders and use_tools) else None)
+        template_tools = [t.model_dump() for t in use_tools] if (renders and use_tools) else None
+        text = apply_chat_template(engine.tokenizer, messages, tools=template_tools)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except Exception as exc:  # the template itself rejected the conversation
@@ -177,7 +181,29 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), id=new_id("chatcmpl"))
+
+
+def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[int], tools: list | None) -> list[tuple[int, float]]:
+    """(prefix tokens, ttl) for each message with ``cache_control``: the prompt up to its end."""
+    hints = []
+    for i, message in enumerate(body.messages):
+        if message.cache_control is None:
+            continue
+        if len(messages) != len(body.messages):  # the template merged messages: hint the whole prompt
+            hints.append((len(ids), float(message.cache_control.ttl)))
+            continue
+        try:
+            text = apply_chat_template(engine.tokenizer, messages[: i + 1], tools=tools, add_generation_prompt=False)
+        except Exception as exc:
+            raise APIError(400, f"messages[{i}].cache_control: the chat template could not render the prefix up to this message: {exc}", param=f"messages.{i}.cache_control") from None
+        prefix = engine.tokenize(text, add_special_tokens=False)
+        n = 0
+        while n < min(len(prefix), len(ids)) and prefix[n] == ids[n]:
+            n += 1
+        if n:
+            hints.append((n, float(message.cache_control.ttl)))
+    return hints
 
 
 # ------------------------------------------------------------------- running
@@ -200,6 +226,9 @@ async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
                     return_text_in_logprobs=plan.logprobs is not None,
                     stream=plan.stream,
                     **({"cache_salt": plan.cache_salt} if plan.cache_salt is not None else {}),
+                    return_cache_info=plan.return_cache_info,
+                    prompt_cache_key=plan.prompt_cache_key,
+                    retention=plan.retention,
                 )
             except APIError as err:
                 raise _field_error(err, plan) from None
@@ -278,11 +307,19 @@ def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict
             message["tool_calls"] = calls
         choice = {"index": index, "message": message, "finish_reason": _finish_reason(plan, out, bool(calls))}
         choice["logprobs"] = _chat_logprobs(out) if plan.logprobs is not None else None
-        return choice
+        return _with_cache_info(plan, out, choice)
     text = out.text
     if plan.echo:
         text = plan.prompt_texts[index // plan.n] + text
-    return {"index": index, "text": text, "finish_reason": _finish_reason(plan, out, False), "logprobs": _completion_logprobs(plan, out) if plan.logprobs is not None else None}
+    choice = {"index": index, "text": text, "finish_reason": _finish_reason(plan, out, False), "logprobs": _completion_logprobs(plan, out) if plan.logprobs is not None else None}
+    return _with_cache_info(plan, out, choice)
+
+
+def _with_cache_info(plan: _Plan, out: ReqOutput, choice: dict[str, Any]) -> dict[str, Any]:
+    """Add the request's cache explanation to its (final) choice when the client asked for it."""
+    if plan.return_cache_info and out.finished and "cache_info" in out.meta_info:
+        choice["cache_info"] = out.meta_info["cache_info"]
+    return choice
 
 
 def _token_entries(out: ReqOutput, echo: bool) -> tuple[list, list]:
@@ -362,7 +399,7 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
                     pending[asyncio.ensure_future(q.get())] = (idx, q)
                 piece = _stream_piece(state, plan, idx, out, sent, sent_lp, buffered)
                 if piece is not None:
-                    yield chunk([piece])
+                    yield chunk([_with_cache_info(plan, out, piece)])
     finally:
         stop.cancel()
         for fut in pending:

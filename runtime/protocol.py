@@ -23,6 +23,8 @@ from pydantic import (
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 Number = StrictInt | StrictFloat
+Label = Annotated[str, Field(min_length=1, max_length=256)]  # program names, prompt_cache_key
+CacheTTL = Annotated[Number, Field(gt=0, le=86400)]  # seconds a retention hint asks for
 
 
 class _Lenient(BaseModel):
@@ -47,6 +49,10 @@ class GenerateRequest(BaseModel):
     stream: StrictBool = False
     rid: str | list[str] | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    return_cache_info: StrictBool = False  # meta_info.cache_info: where the cached prefix came from
+    program: Label | None = None  # origin label recorded on the prefixes this request computes
+    prompt_cache_key: Label | None = None  # groups a session's requests
+    cache_ttl: CacheTTL | None = None  # soft retention hint for the whole prompt, in seconds
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -136,6 +142,15 @@ class ContentPart(_Lenient):
     text: str
 
 
+class CacheControl(BaseModel):
+    """A message's ``cache_control``: keep the prompt up to the end of this message cached (soft)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["ephemeral"]
+    ttl: CacheTTL = 300
+
+
 class ChatMessage(_Lenient):
     """One chat message."""
 
@@ -144,6 +159,7 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    cache_control: CacheControl | None = None
 
     def text(self) -> str:
         """The message's text (parts joined)."""
@@ -181,6 +197,8 @@ class _SamplingFields(_Lenient):
     logit_bias: dict[str, float] | None = None
     best_of: StrictInt | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # share cached KV only within a salt
+    prompt_cache_key: Label | None = None  # OpenAI's session grouping key (shown in cache explanations)
+    return_cache_info: StrictBool = False  # each choice gains cache_info (via extra_body)
 
 
 class CompletionRequest(_SamplingFields):

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: int = 1024, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``."""
-    from radixlm.runtime import openai_api
+    from radixlm.runtime import cache_routes, openai_api
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -58,6 +58,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
     _add_error_handlers(app)
     _add_native_routes(app, state)
     openai_api.add_routes(app, state)
+    cache_routes.add_routes(app, state)
     return app
 
 
@@ -212,6 +213,10 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
                 stream=body.stream,
                 rid=rid,
                 **({"cache_salt": body.cache_salt} if body.cache_salt is not None else {}),
+                return_cache_info=body.return_cache_info,
+                program=body.program,
+                prompt_cache_key=body.prompt_cache_key,
+                cache_ttl=body.cache_ttl,
             )
         if body.stream:
             response = stream_response(_native_events(ticket), ticket.close)
