@@ -1,4 +1,5 @@
-"""The ``radixlm`` command: ``generate`` runs one prompt, ``serve`` starts the HTTP server."""
+"""The ``radixlm`` command: ``generate`` runs one prompt, ``serve`` starts the HTTP server,
+``explain-cache`` prints a server's recent cache explanations."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import logging
 import sys
 
+from radixlm.runtime import explain_cli
 from radixlm.runtime.server_args import ServerArgs
 
 
@@ -71,12 +73,15 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    explain_cli.add_parser(sub)
     ns = parser.parse_args(argv)
     # The library never configures logging; the command line does, for its own process.
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if ns.command == "generate":
             code = run_generate(ns)
+        elif ns.command == "explain-cache":
+            code = explain_cli.run(ns)
         else:
             from radixlm.runtime.server import run_server
 
