@@ -61,6 +61,7 @@ def gen(
     regex: str | None = None,
     json_schema: Any = None,
     tools: list[Any] | None = None,
+    return_cache_info: bool | None = None,
 ) -> ir.Expr:
     """Generate text into variable ``name``; constrain it with ``regex``, ``json_schema``, ``dtype`` or ``tools``.
 
@@ -105,7 +106,9 @@ def gen(
         tool_list = as_tools(tools) if tools is not None else None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{label}: {exc}") from None
-    return ir.Gen(name, params, regex, schema, tool_list, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, label)
+    if return_cache_info is not None and not isinstance(return_cache_info, bool):
+        raise ValueError(f"{label}: return_cache_info must be a boolean")
+    return ir.Gen(name, params, regex, schema, tool_list, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, label, return_cache_info)
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:

@@ -11,6 +11,7 @@ rest, still setting every variable's event and counting every item as done.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import queue
@@ -38,9 +39,19 @@ class RunDefaults:
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
+    program: str | None = None  # the function's name, sent as the origin label where the backend takes one
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs")
+
+def _takes_cache_options(backend) -> bool:
+    """True when the backend's ``generate`` passes extra options (program, return_cache_info) on."""
+    try:
+        params = inspect.signature(backend.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
 
 def _label(expr: ir.Expr) -> str:
     if isinstance(expr, (ir.Gen, ir.Select)):
@@ -275,12 +286,20 @@ class StreamExecutor:
         def pick(own: Any, default: Any, fallback: Any) -> Any:
             return own if own is not None else (default if default is not None else fallback)
 
-        return {
+        options = {
             "return_logprob": pick(g.return_logprob, d.return_logprob, False),
             "logprob_start_len": pick(g.logprob_start_len, d.logprob_start_len, -1),
             "top_logprobs_num": pick(g.top_logprobs_num, d.top_logprobs_num, 0),
             "return_text_in_logprobs": pick(g.return_text_in_logprobs, d.return_text_in_logprobs, False),
         }
+        takes_labels = _takes_cache_options(self.backend)
+        if g.return_cache_info:
+            if not takes_labels:
+                raise ValueError(f"{g.label}: return_cache_info needs a radixlm backend (an Engine or a radixlm server)")
+            options["return_cache_info"] = True
+        if d.program is not None and takes_labels:
+            options["program"] = d.program
+        return options
 
     def _gen(self, g: ir.Gen) -> None:
         params = {**_output_defaults(), **self.defaults.sampling_params, **g.sampling_params}

@@ -107,6 +107,7 @@ class Gen(Expr):
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
     label: str = "gen()"
+    return_cache_info: bool | None = None  # meta_info gains the runtime's cache explanation
 
     @property
     def var_name(self) -> str | None:

@@ -143,6 +143,7 @@ class Function:
         return self._start(_resolve(backend), defaults, stream, *self._bind(args, kwargs))
 
     def _start(self, backend: Backend, defaults: RunDefaults, stream: bool, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
+        defaults.program = self.func.__name__  # the origin label of the prefixes this program computes
         state = ProgramState(StreamExecutor(backend, defaults, stream, num_api_spec_tokens=self.num_api_spec_tokens))
         if stream:
             state._body = threading.Thread(target=self._body, args=(state, args, kwargs, True), name="radixlm-program-body", daemon=True)
