@@ -276,8 +276,8 @@ class Decoder:
             self.outputs.update_text(req, final=True)
             return FinishReason("stop", matched=token)
         if req.grammar is not None and req.grammar.is_terminated():
-            self.outputs.update_text(req, final=True)
-            return FinishReason("stop", matched=None)
+            stop = self.outputs.update_text(req, final=True)  # a stop in the last text is still reported
+            return FinishReason("stop", matched=stop)
         stop = self.outputs.update_text(req, final=False)
         if stop is not None and n_out >= p.min_new_tokens:
             return FinishReason("stop", matched=stop)
