@@ -75,6 +75,21 @@ def test_n_samples_share_the_prompt_kv_and_seed_plus_j(client):
     assert outs[1]["output_ids"] == alone["output_ids"]  # sample 1 is seeded seed + 1
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_n_samples_wait_for_the_first_prompt_kv_however_short_it_is(tiny_llama, page_size):
+    from helpers import Driver
+    from radixlm.runtime.engine import build_parts
+    from radixlm.runtime.server_args import ServerArgs
+
+    d = Driver(build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=2048, page_size=page_size)))
+    prompt = list(range(10, 21))  # 11 tokens: below the usual in-batch sharing threshold
+    rids = [d.add(prompt, max_new_tokens=3, temperature=0, ignore_eos=True, n=3) for _ in range(3)]
+    d.run()
+    cached = [d.results[r].meta_info["cached_tokens"] for r in rids]
+    assert cached == [0] + [(len(prompt) - 1) // page_size * page_size] * 2
+    assert d.steps <= 3 + 1  # the samples after the first wait one step, not one step each
+
+
 def test_n_on_a_batch_answers_prompt_major(client):
     greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
     outs = _generate(client, text=["The quick brown", "Once upon"], sampling_params={**greedy, "n": 2})
@@ -225,7 +240,7 @@ def test_sglang_runtime_endpoint_runs_programs_against_radixlm_serve(server):
     program = Path(__file__).with_name("sglang_client_program.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(CLIENT_DIR)
-    proc = subprocess.run([sys.executable, "-P", str(program), server.base_url], capture_output=True, text=True, timeout=600, env=env, cwd=str(CLIENT_DIR))
+    proc = subprocess.run([sys.executable, "-P", str(program), server.base_url], capture_output=True, text=True, timeout=300, env=env, cwd=str(CLIENT_DIR))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
