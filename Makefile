@@ -6,7 +6,7 @@ STAMP := $(VENV)/.radixlm-installed
 PROMPT ?= The capital of France is
 SERVE_ARGS ?=
 
-.PHONY: setup run serve test lint bench-peers clean
+.PHONY: setup browser run serve test lint bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -c "from radixlm.kernels.cpu_ext import cpu_kernels; cpu_kernels()"
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) browser
 
-serve: setup
-	$(BIN)/radixlm serve $(SERVE_ARGS)
+# Headless Chromium for the dashboard's browser test: Debian's package, installed where apt-get
+# can (as root, or with password-less sudo) and the package exists; otherwise that test skips
+# (under CI=true it fails instead).
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "no apt-get: the browser test will skip"; \
+	else SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+		if [ -n "$$SUDO" ] && ! sudo -n true 2>/dev/null; then echo "installing chromium needs root: the browser test will skip"; \
+		else apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]' || $$SUDO apt-get update -qq || true; \
+			if apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then \
+				$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium || echo "chromium install failed: the browser test will skip"; \
+			else echo "no chromium package here: the browser test will skip"; fi; fi; fi
 
 run: setup
 	$(BIN)/radixlm generate "$(PROMPT)" --max-new-tokens 32

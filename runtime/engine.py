@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
+from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
@@ -493,6 +494,36 @@ class Engine:
             }
 
         return self._call(stats)
+
+    def dashboard_counters(self) -> dict[str, Any]:
+        """Pool usage and cumulative counters for the dashboard's history, read on the loop thread."""
+        return self._call(self._counters)
+
+    def dashboard_state(self, max_nodes: int = 400, walk_budget: int = 20_000, queue_limit: int = 50) -> dict[str, Any]:
+        """A bounded snapshot of the radix tree, the queues and the counters, taken in one loop turn."""
+
+        def state() -> dict[str, Any]:
+            tree = snapshot_tree(self.kv.tree, max_nodes, walk_budget)
+            return {"tree": tree, "queues": self.scheduler.queue_view(queue_limit), "counters": self._counters()}
+
+        return self._call(state)
+
+    def _counters(self) -> dict[str, Any]:
+        s, tree = self.scheduler, self.kv.tree
+        return {
+            "max_total_tokens": self.runner.max_total_tokens,
+            "free_slots": self.kv.allocator.available_slots(),
+            "tree_slots": tree.total_size(),
+            "evictable_slots": tree.evictable_size(),
+            "running_slots": sum(r.kv.owned for r in s.running if r.kv is not None),
+            "query_tokens": tree.query_tokens,
+            "hit_tokens": tree.hit_tokens,
+            "output_tokens": s.output_tokens(),
+            "prefill_tokens": s.prefill_tokens,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "clock": tree.root.last_access,  # the LRU clock, as of the last prefix match
+        }
 
     def check_accounting(self) -> None:
         """Assert on the loop thread that every KV slot is free, in the tree or held by a request."""

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: int = 1024, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``."""
-    from radixlm.runtime import openai_api
+    from radixlm.runtime import dashboard, openai_api
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +59,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
     _add_error_handlers(app)
     _add_native_routes(app, state)
     openai_api.add_routes(app, state)
+    dashboard.add_routes(app, state)
     return app
 
 
