@@ -42,6 +42,9 @@ browser:
 				$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium || echo "chromium install failed: the browser test will skip"; \
 			else echo "no chromium package here: the browser test will skip"; fi; fi; fi
 
+serve: setup
+	$(BIN)/radixlm serve $(SERVE_ARGS)
+
 run: setup
 	$(BIN)/radixlm generate "$(PROMPT)" --max-new-tokens 32
 
