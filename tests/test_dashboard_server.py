@@ -97,5 +97,15 @@ def test_dashboard_routes_require_the_api_key_when_set(tiny_llama):
             assert httpx.get(srv.base_url + path).status_code == 401, path
             assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
             assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer sesame"}).status_code == 200, path
+        # a browser: /dashboard?key= once sets a cookie that opens the dashboard's routes only
+        assert httpx.get(srv.base_url + "/dashboard?key=wrong").status_code == 401
+        login = httpx.get(srv.base_url + "/dashboard?key=sesame")
+        assert login.status_code == 303 and login.headers["location"] == "/dashboard"
+        assert "HttpOnly" in login.headers["set-cookie"]
+        with httpx.Client(base_url=srv.base_url, cookies=login.cookies) as browser:
+            assert browser.get("/dashboard").status_code == 200
+            assert browser.get("/dashboard/state").status_code == 200
+            assert browser.get("/get_server_info").status_code == 401
+        assert httpx.get(srv.base_url + "/dashboard/state", cookies={"radixlm_api_key": "wrong"}).status_code == 401
     finally:
         assert srv.stop() == 0
