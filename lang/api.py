@@ -74,10 +74,10 @@ def gen(
     generated text (trimmed from the output, like ``stop``).
     """
     label = ir.describe_call("gen", name, max_tokens=max_tokens, stop=stop, temperature=temperature, dtype=dtype, regex=regex, json_schema=json_schema, choices=choices, tools=[getattr(t, "name", getattr(t, "__name__", t)) for t in tools] if tools else None)
-    if choices is not None:
-        return select(name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized)
     if n is not None and n != 1 and (tools is not None or choices is not None):
         raise ValueError(f"{label}: n > 1 cannot be combined with tools or choices")
+    if choices is not None:
+        return select(name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized)
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype), ("tools", tools)) if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"{label}: give at most one of regex, json_schema, dtype, tools (got {', '.join(constraints)})")

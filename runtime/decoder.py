@@ -239,9 +239,10 @@ class Decoder:
         reason = self._check_finish(req, pick.tokens[-1]) if pick.tokens else self._check_finish(req, None)
         if reason is None and req.grammar is not None and not self.args.disable_jump_forward:
             self._propose_drafts(req)
-        if reason is None and req.stream:
+        if reason is None and req.stream and len(req.output_ids) - req.streamed_tokens >= (req.params.stream_interval or 1):
             if self.faults is not None:
                 self.faults.check(req.rid, "output")
+            req.streamed_tokens = len(req.output_ids)
             req.sink(self.outputs.build(req, finished=False))
         return reason
 
@@ -275,8 +276,8 @@ class Decoder:
             self.outputs.update_text(req, final=True)
             return FinishReason("stop", matched=token)
         if req.grammar is not None and req.grammar.is_terminated():
-            self.outputs.update_text(req, final=True)
-            return FinishReason("stop", matched=None)
+            stop = self.outputs.update_text(req, final=True)  # a stop in the last text is still reported
+            return FinishReason("stop", matched=stop)
         stop = self.outputs.update_text(req, final=False)
         if stop is not None and n_out >= p.min_new_tokens:
             return FinishReason("stop", matched=stop)

@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
+from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.runtime.cache_control import check_cache_options
 from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req, ReqOutput
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import SamplingParams, per_sample_params
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
@@ -369,12 +370,17 @@ class Engine:
         prompt_cache_key: str | None = None,
         cache_ttl: float | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts."""
+        """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts.
+
+        With ``sampling_params["n"] = k > 1`` a prompt gets k samples sharing its prompt's KV
+        (sample j seeded ``seed + j``): a list of k dicts for one prompt, m*k for m prompts,
+        prompt-major (prompt i's samples at i*k .. i*k+k-1).
+        """
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
         common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl)
         if stream:
-            if batch:
-                raise ValueError("stream=True takes a single prompt, not a batch")
+            if batch or len(items) > 1:
+                raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
             q: queue.Queue = queue.Queue()
             req = self.make_request(q.put, stream=True, **items[0], **common)
             self.attach_grammar(req)
@@ -389,7 +395,7 @@ class Engine:
         results = []
         for q, req in zip(queues, reqs):
             results.append(_to_dict(self._wait_final(q, req.rid)))
-        return results if batch else results[0]
+        return results if batch or len(results) > 1 else results[0]
 
     def _wait_final(self, q: queue.Queue, rid: str) -> ReqOutput:
         while True:
@@ -436,8 +442,8 @@ class Engine:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
         common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl)
-        if stream and batch:
-            raise ValueError("stream=True takes a single prompt, not a batch")
+        if stream and (batch or len(items) > 1):
+            raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in items]
         reqs = [self.make_request(_async_sink(loop, q), stream=stream, **item, **common) for q, item in zip(queues, items)]
@@ -448,7 +454,7 @@ class Engine:
         if stream:
             return self._stream_async(queues[0], reqs[0].rid)
         results = [_to_dict(await self._await_final(q)) for q in queues]
-        return results if batch else results[0]
+        return results if batch or len(results) > 1 else results[0]
 
     async def _await_final(self, q: asyncio.Queue) -> ReqOutput:
         while True:
@@ -489,7 +495,8 @@ class Engine:
         else:
             for item in items:
                 item["sampling_params"] = sampling_params
-        return batch, items
+        samples = [{**item, "sampling_params": sp} for item in items for sp in per_sample_params(item["sampling_params"])]
+        return batch, samples
 
     # ------------------------------------------------------------ utilities
     def get_stats(self) -> dict[str, Any]:
@@ -520,6 +527,36 @@ class Engine:
             raise ValueError(f"last must be an integer >= 0, got {last!r}")
         explainer = self.scheduler.explainer
         return self._call(lambda: explainer.last(last)) if explainer is not None else []
+
+    def dashboard_counters(self) -> dict[str, Any]:
+        """Pool usage and cumulative counters for the dashboard's history, read on the loop thread."""
+        return self._call(self._counters)
+
+    def dashboard_state(self, max_nodes: int = 400, walk_budget: int = 20_000, queue_limit: int = 50) -> dict[str, Any]:
+        """A bounded snapshot of the radix tree, the queues and the counters, taken in one loop turn."""
+
+        def state() -> dict[str, Any]:
+            tree = snapshot_tree(self.kv.tree, max_nodes, walk_budget)
+            return {"tree": tree, "queues": self.scheduler.queue_view(queue_limit), "counters": self._counters()}
+
+        return self._call(state)
+
+    def _counters(self) -> dict[str, Any]:
+        s, tree = self.scheduler, self.kv.tree
+        return {
+            "max_total_tokens": self.runner.max_total_tokens,
+            "free_slots": self.kv.allocator.available_slots(),
+            "tree_slots": tree.total_size(),
+            "evictable_slots": tree.evictable_size(),
+            "running_slots": sum(r.kv.owned for r in s.running if r.kv is not None),
+            "query_tokens": tree.query_tokens,
+            "hit_tokens": tree.hit_tokens,
+            "output_tokens": s.output_tokens(),
+            "prefill_tokens": s.prefill_tokens,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "clock": tree.root.last_access,  # the LRU clock, as of the last prefix match
+        }
 
     def check_accounting(self) -> None:
         """Assert on the loop thread that every KV slot is free, in the tree or held by a request."""

@@ -9,10 +9,10 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from radixlm.runtime.protocol import ErrorResponse
-from radixlm.runtime.sampling_params import SamplingParams
+from radixlm.runtime.sampling_params import accepted_keys
 
 _FIELD = re.compile(r"^([a-z_]+)\b")
-_KNOWN_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {
+_KNOWN_FIELDS = accepted_keys() | {
     "prompt", "text", "input_ids", "messages", "top_logprobs_num", "logprob_start_len", "return_logprob", "rid", "n",
     "max_tokens", "max_completion_tokens", "cache_salt", "tools", "tool_choice", "response_format", "logit_bias", "best_of", "suffix",
 }

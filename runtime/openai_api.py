@@ -73,8 +73,6 @@ class _Plan:
 # ------------------------------------------------------------------ planning
 def _sampling(state: ServerState, body, max_tokens: int | None, prompt_len: int) -> dict[str, Any]:
     """Engine sampling params from OpenAI fields (with context-length checks)."""
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
     ctx = state.engine.context_len
@@ -91,6 +89,10 @@ def _sampling(state: ServerState, body, max_tokens: int | None, prompt_len: int)
             sp[ours] = value
     if body.stop is not None:
         sp["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.logit_bias:
+        sp["logit_bias"] = body.logit_bias  # checked (ids in the vocabulary, finite) with the rest
+    if body.n > 1:
+        sp["n"] = body.n  # the samples of a prompt share its KV (the scheduler waits for the first)
     given = [k for k in ("regex", "ebnf", "json_schema") if getattr(body, k) is not None]
     if len(given) > 1:
         raise APIError(400, f"give at most one of regex, ebnf, json_schema (got {', '.join(given)})", param=given[1])

@@ -7,6 +7,7 @@ import weakref
 from typing import Any
 
 from radixlm.runtime.request import Req, ReqOutput
+from radixlm.runtime.stop_regex import find_stop_regex, partial_stop_regex_len
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -21,31 +22,32 @@ class OutputBuilder:
         self._logs: weakref.WeakKeyDictionary[Req, _LogprobLog] = weakref.WeakKeyDictionary()
 
     def update_text(self, req: Req, final: bool) -> str | None:
-        """Bring ``req.text`` up to date; returns the stop string found in the new text, if any.
+        """Bring ``req.text`` up to date; returns the stop string (or stop_regex pattern) found
+        in the new text, if any. The earliest stop wins; it is trimmed unless ``no_stop_trim``.
 
-        While a request runs, text that might be the start of a stop string is held back so a
-        stream never shows what the stop will trim.
+        While a request runs, text that might be the start of a stop string or of a stop_regex
+        match is held back so a stream never shows what the stop will trim.
         """
+        p = req.params
         if req.detok is None:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, req.params.skip_special_tokens)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
         delta = req.detok.update(req.output_ids, final=final)
         full = req.detok.text
-        stops = req.params.stop
-        if not stops:
+        if not p.stop and not p.stop_regex:
             req.text = full
             return None
-        longest = max(len(s) for s in stops)
-        scan_from = max(0, len(full) - len(delta) - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in stops:
-            i = full.find(s, scan_from)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+        best = _first_stop_string(full, len(delta), p.stop)
+        if p.stop_regex:
+            found = find_stop_regex(full, len(delta), p.stop_regex)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
         if best is not None:
-            i, s = best
-            req.text = full[: i + len(s)] if req.params.no_stop_trim else full[:i]
-            return s
-        hold = 0 if final else _partial_stop_suffix(full, stops)
+            start, end, matched = best
+            req.text = full[:end] if p.no_stop_trim else full[:start]
+            return matched
+        hold = 0
+        if not final:
+            hold = max(_partial_stop_suffix(full, p.stop), partial_stop_regex_len(full, p.stop_regex))
         req.text = full[: len(full) - hold]
         return None
 
@@ -141,6 +143,19 @@ def _tops(tops: list | None, text_of: _TokenTexts | None) -> list[tuple] | None:
     if tops is None:
         return None
     return [_triple(lp, tid, text_of) for lp, tid in tops]
+
+
+def _first_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, int, str] | None:
+    """The earliest stop string ``(start, end, stop)`` that reaches into the last ``new_chars``."""
+    if not stops:
+        return None
+    scan_from = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
+    best: tuple[int, int, str] | None = None
+    for s in stops:
+        i = text.find(s, scan_from)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, i + len(s), s)
+    return best
 
 
 def _partial_stop_suffix(text: str, stops: list[str]) -> int:

@@ -88,6 +88,7 @@ class Req:
     detok: IncrementalDetokenizer | None = None
     text: str = ""  # output text after stop-string trimming
     sent_len: int = 0  # characters of ``text`` already streamed
+    streamed_tokens: int = 0  # output tokens when the last non-final output was streamed (stream_interval)
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """Batched token sampling: masks, penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
 
 Order per step (as in SGLang): grammar mask → stop-token mask for ``min_new_tokens`` →
-penalties → temperature → top-k → top-p → min-p → sample. Greedy rows take the argmax of the
+logit_bias → penalties → temperature → top-k → top-p → min-p → sample. Greedy rows take the argmax of the
 processed logits. Logprobs are those of the model's raw distribution.
 """
 
@@ -55,6 +55,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's ``logit_bias`` ({token id: bias}) to its logits (masked tokens stay -inf)."""
+    for i, row in enumerate(rows):
+        bias = row.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.int64, device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
+
+
 def _filter_top_k_top_p_min_p(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Set filtered-out entries of temperature-scaled logits to -inf; returns probabilities."""
     device = logits.device
@@ -85,6 +94,7 @@ def _prepare(logits: torch.Tensor, rows: Sequence[SamplingRow], allowed_mask: to
     for i, row in enumerate(rows):
         if row.banned_ids:
             logits[i, list(row.banned_ids)] = float("-inf")
+    apply_logit_bias(logits, rows)
     apply_penalties(logits, rows)
     return logits
 

@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.stop_regex import validate_stop_regex
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -20,6 +22,15 @@ def _is_number(v: Any) -> bool:
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (as SGLang does)
 MAX_TOP_K = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+# SGLang parameters that cannot apply here: each is accepted only with one of its neutral values.
+UNSUPPORTED_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "beam_width": (1,),  # beam search
+    "structural_tag": ("",),  # xgrammar structural tags
+    "custom_params": ({},),  # arguments of server-side custom logit processors
+    "watermark": ({}, {"enabled": False}),  # output watermarking
+}
+ALIASES = {"sampling_seed": "seed"}  # SGLang's name -> ours
 
 
 @dataclass
@@ -40,6 +51,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    stop_regex: list[str] = field(default_factory=list)
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode (no effect on fast tokenizers)
+    n: int = 1  # samples of the prompt; each sample's request carries the group's n
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    stream_interval: int | None = None  # stream an output every this many tokens (None: 1)
     seed: int | None = None
     regex: str | None = None
     json_schema: str | None = None
@@ -71,10 +87,16 @@ class SamplingParams:
             params = {}
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(params).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = accepted_keys()
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        params = _resolve_aliases(params)
+        for name, neutral in UNSUPPORTED_NEUTRAL.items():
+            value = params.pop(name, None)
+            if value is not None and not any(_same(value, v) for v in neutral):
+                shown = ", ".join(["null"] + [json.dumps(v) for v in neutral])
+                raise ValueError(f"{name} is not supported by radixlm; it takes only its neutral value ({shown}), got {value!r}")
         sp = cls(**{k: v for k, v in params.items() if v is not None})
         sp._normalize()
         sp.validate(vocab_size)
@@ -83,6 +105,10 @@ class SamplingParams:
     def _normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        if isinstance(self.logit_bias, dict) and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in self.logit_bias):
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
@@ -132,6 +158,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
+        self._validate_extras(vocab_size)
         given = [k for k in ("regex", "json_schema", "ebnf") if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"give at most one of regex, json_schema, ebnf (got {', '.join(given)})")
@@ -140,3 +167,81 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a string" + (" or a dict" if name == "json_schema" else ""))
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+
+    def _validate_extras(self, vocab_size: int | None) -> None:
+        """SGLang's further parameters: n, stop_regex, logit_bias, stream_interval, spaces."""
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        self.stop_regex = validate_stop_regex(self.stop_regex)
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            raise ValueError(f"spaces_between_special_tokens must be a boolean, got {self.spaces_between_special_tokens!r}")
+        if self.stream_interval is not None and not (_is_int(self.stream_interval) and self.stream_interval >= 1):
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(_is_int(k) for k in self.logit_bias):
+                raise ValueError("logit_bias must map token ids (integers, as strings in JSON) to numbers")
+            for token, bias in self.logit_bias.items():
+                if token < 0 or (vocab_size is not None and token >= vocab_size):
+                    raise ValueError(f"logit_bias has token id {token}, outside the vocabulary [0, {vocab_size})")
+                if not _is_number(bias) or not math.isfinite(bias):
+                    raise ValueError(f"logit_bias for token {token} must be a finite number, got {bias!r}")
+
+
+def accepted_keys() -> set[str]:
+    """Every key ``SamplingParams.from_dict`` takes: our fields, SGLang's aliases and neutral-only names."""
+    return {f.name for f in dataclasses.fields(SamplingParams)} | set(ALIASES) | set(UNSUPPORTED_NEUTRAL)
+
+
+def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[dict[str, Any] | SamplingParams | None]:
+    """The params of each of a prompt's ``n`` samples (sample j seeded seed + j); ValueError naming n."""
+    if isinstance(params, SamplingParams):
+        n = params.n
+    elif isinstance(params, dict) and params.get("n") is not None:
+        n = params["n"]
+    else:
+        n = 1  # no params, or not a dict (``from_dict`` refuses that by name)
+    if not _is_int(n) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if n == 1:
+        return [params]
+    if isinstance(params, SamplingParams):
+        return [params if params.seed is None else dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
+    out: list[dict[str, Any] | SamplingParams | None] = []
+    for j in range(n):
+        copy = dict(params)  # type: ignore[arg-type]
+        for key in ("seed", "sampling_seed"):
+            if _is_int(copy.get(key)):
+                copy[key] += j
+        out.append(copy)
+    return out
+
+
+def _resolve_aliases(params: dict[str, Any]) -> dict[str, Any]:
+    params = dict(params)
+    for alias, ours in ALIASES.items():
+        value = params.pop(alias, None)
+        if value is None:
+            continue
+        if params.get(ours) is not None and not _same(params[ours], value):
+            raise ValueError(f"{alias} ({value!r}) and {ours} ({params[ours]!r}) name the same setting; give one, or equal values")
+        params[ours] = value
+    return params
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values of the same JSON kind (True is not 1)."""
+    return type(a) is type(b) and a == b
+
+
+def _parse_logit_bias(bias: dict[str | int, Any]) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for key, value in bias.items():
+        if isinstance(key, str):
+            try:
+                token = int(key.strip())
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        else:
+            token = key
+        out[token] = value
+    return out

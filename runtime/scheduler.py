@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,6 +82,8 @@ class Scheduler:
         self.total_retracted = 0
         self.forward_passes = 0
         self.explainer = None if args.disable_cache_explain else CacheExplainer(tokenizer)
+        self.finished_output_tokens = 0  # output tokens of ended requests (for tokens/s)
+        self.prefill_tokens = 0  # prompt tokens computed, all steps
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -272,7 +275,9 @@ class Scheduler:
         if self.kv.tree.disable or in_batch.total_size() == 0:
             return False
         shared = in_batch.match_prefix(req.cache_ids[: req.max_cacheable_prefix()]).length
-        return shared - cached >= IN_BATCH_PREFIX_THRESHOLD
+        # The samples of one prompt (n > 1) wait for the first one's prompt KV however short it
+        # is: as soon as one more whole page of it could come from the cache.
+        return shared - cached >= (self.kv.page_size if req.params.n > 1 else IN_BATCH_PREFIX_THRESHOLD)
 
     @staticmethod
     def _chunk_len(req: Req, start: int, budget: int) -> int:
@@ -335,6 +340,7 @@ class Scheduler:
         self.stats.forward_s += time.perf_counter() - t0
         self.stats.num_decode += batch.num_decode
         self.stats.num_prefill_tokens += len(batch.input_ids) - batch.num_decode
+        self.prefill_tokens += len(batch.input_ids) - batch.num_decode
         for row in rows:
             self.kv.mark_computed(row.req.kv, row.start + row.length)
         for req, reason in self.decoder.process(logits, spans):
@@ -349,6 +355,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """End a request: free (and, unless it failed, cache) its KV and send its final output."""
         req.finish = reason
+        self.finished_output_tokens += len(req.output_ids)
         if req.kv is not None:
             state, req.kv = req.kv, None
             try:
@@ -374,6 +381,35 @@ class Scheduler:
             logger.exception("delivering the output of request %s failed", req.rid)
 
     # ------------------------------------------------------------ inspection
+    def output_tokens(self) -> int:
+        """Output tokens generated so far by every request, ended or not."""
+        return self.finished_output_tokens + sum(len(r.output_ids) for r in self.running + self.waiting)
+
+    def queue_view(self, limit: int = 50) -> dict[str, Any]:
+        """The running and waiting queues, read-only: at most ``limit`` rows each, plus their lengths."""
+        now = time.monotonic()
+
+        def row(req: Req) -> dict[str, Any]:
+            constraint = req.params.constraint
+            return {
+                "rid": req.rid,
+                "prompt": len(req.input_ids),
+                "hit": req.cached_tokens,
+                "out": len(req.output_ids),
+                "max": req.params.max_new_tokens,
+                "constraint": constraint[0] if constraint else None,
+                "phase": "decode" if req.generating else ("prefill" if req.kv is not None else "waiting"),
+                "kv": req.kv.owned if req.kv is not None else 0,
+                "age_s": round(now - req.arrival, 2),
+            }
+
+        return {
+            "running": [row(r) for r in self.running[:limit]],
+            "waiting": [row(r) for r in self.waiting[:limit]],
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+        }
+
     def check_accounting(self, full: bool = True) -> None:
         """Assert the KV invariant: free + tree + running-owned slots = pool size."""
         self.kv.check_accounting([r.kv for r in self.running if r.kv is not None], full)

@@ -35,6 +35,7 @@ from radixlm.runtime.http_errors import APIError, error_response, validation_err
 from radixlm.runtime.http_guard import Guard
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.protocol import GenerateRequest
+from radixlm.runtime.sampling_params import per_sample_params
 from radixlm.runtime.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: int = 1024, served_model_name: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``."""
-    from radixlm.runtime import cache_routes, openai_api
+    from radixlm.runtime import cache_routes, dashboard, openai_api
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +60,7 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
     _add_native_routes(app, state)
     openai_api.add_routes(app, state)
     cache_routes.add_routes(app, state)
+    dashboard.add_routes(app, state)
     return app
 
 
@@ -119,6 +121,7 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         return {"model_path": engine.model_path, "tokenizer_path": engine.args.tokenizer_path or engine.model_path, "is_generation": True, "architecture": cfg.architecture, "context_length": engine.context_len, "vocab_size": cfg.vocab_size}
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # SGLang's newer name: the same body
     async def server_info() -> dict[str, Any]:
         stats = await asyncio.to_thread(engine.get_stats)
         stats["kv_invariant_holds"] = await asyncio.to_thread(engine.kv_invariant_holds)
@@ -130,6 +133,33 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         if not await asyncio.to_thread(engine.flush_cache):
             raise APIError(400, "cannot flush the cache while requests are in flight")
         return Response("cache flushed", status_code=200)
+
+    @app.post("/concate_and_append_request")
+    async def concate_and_append_request(request: Request) -> dict[str, Any]:
+        """SGLang's frontend joins forks this way (``join(mode="concate_and_append")``). Checks
+        the body and answers 200; it changes nothing on the server, on purpose.
+
+        The rids are the frontend's program-state ids, which it never sends with /generate, so
+        no KV is filed under them here. The client has already appended each branch's text to
+        ``dst_rid``'s text; that state's next /generate sends the joined text, and the radix
+        cache serves what it holds of it: the text before the fork and the first branch. The
+        other branches are computed there, each attending to all text before it (SGLang's
+        parallel encoding would instead reuse each branch's KV computed without its siblings).
+        """
+        body = await json_object(request)
+        src, dst = body.get("src_rids"), body.get("dst_rid")
+        if not isinstance(src, list) or not src or not all(isinstance(r, str) and r for r in src):
+            raise APIError(400, "src_rids must be a non-empty list of non-empty strings", param="src_rids")
+        if len(set(src)) != len(src):
+            raise APIError(400, "src_rids must not repeat an id", param="src_rids")
+        if not isinstance(dst, str) or not dst:
+            raise APIError(400, "dst_rid must be a non-empty string", param="dst_rid")
+        if dst in src:
+            raise APIError(400, "dst_rid must not be one of src_rids", param="dst_rid")
+        extra = sorted(set(body) - {"src_rids", "dst_rid"})
+        if extra:
+            raise APIError(400, f"unknown field {extra[0]!r} (this route takes src_rids and dst_rid)", param=extra[0])
+        return {"success": True, "src_rids": src, "dst_rid": dst, "kv_moved_tokens": 0, "message": "nothing to move: the next request with the joined text reuses the cached prefix"}
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
@@ -198,10 +228,12 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
         raise APIError(400, "sampling_params and rid lists need one entry per prompt", param="sampling_params")
     if body.stream and batch:
         raise APIError(400, "stream takes a single prompt", param="stream")
-    ticket = Ticket(state, n, [r for r in rids if r is not None], key)
+    jobs = _samples(prompts, params, rids, body.stream)
+    sampled = len(jobs) > n
+    ticket = Ticket(state, len(jobs), [r for _, _, r in jobs if r is not None], "n" if sampled else key)
     handed_off = False
     try:
-        for prompt, sp, rid in zip(prompts, params, rids):
+        for prompt, sp, rid in jobs:
             await ticket.start(
                 key,
                 **{"prompt" if key == "text" else key: prompt},
@@ -227,7 +259,23 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
         if not handed_off:
             ticket.close()
     results = [{"text": o.text, "output_ids": o.output_ids, "meta_info": o.meta_info} for o in outs]
-    return JSONResponse(results if batch else results[0])
+    return JSONResponse(results if batch or sampled else results[0])
+
+
+def _samples(prompts: list, params: list, rids: list, stream: bool) -> list[tuple[Any, Any, str | None]]:
+    """One (prompt, sampling params, rid) per request: ``n`` per prompt, prompt-major."""
+    jobs = []
+    for prompt, sp, rid in zip(prompts, params, rids):
+        try:
+            per_sample = per_sample_params(sp)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="n") from None
+        if len(per_sample) > 1 and stream:
+            raise APIError(400, "n > 1 cannot be streamed: stream takes one sample", param="n")
+        if len(per_sample) > 1 and rid is not None:
+            raise APIError(400, "rid names one request; with n > 1 leave it out", param="rid")
+        jobs += [(prompt, s, rid) for s in per_sample]
+    return jobs
 
 
 async def _native_events(ticket: Ticket) -> AsyncIterator[dict[str, Any]]:

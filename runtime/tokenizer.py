@@ -65,16 +65,18 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5
 
-    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
+        # Fast (Rust) tokenizers ignore this (measured: the same text either way); slow ones may not.
+        self.spaces_between_special = spaces_between_special_tokens
         self.context = list(prompt_ids[-self.CONTEXT :])
         self.prefix_offset = 0
         self.read_offset = len(self.context)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special, spaces_between_special_tokens=self.spaces_between_special)
 
     def update(self, output_ids: list[int], final: bool = False) -> str:
         """Append the text of new ids (``output_ids`` is the whole output so far); returns the delta.

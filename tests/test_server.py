@@ -158,7 +158,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": LONG}, "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10000}, "maximum context length"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "x", "regex": "[a-"}, "regex"),

@@ -1,0 +1,127 @@
+"""Stop regexes: validating SGLang's ``stop_regex`` patterns and finding them in growing text.
+
+Matching uses Python's ``re`` (SGLang's semantics). A request's text only grows, and every
+earlier text was already searched, so a new match must reach into the newest characters: each
+search starts that pattern's longest possible span (lookarounds included) before them, or at 0
+when the pattern's span is unbounded. Streams hold back the tail that could still become a match
+(a partial match, found with the ``regex`` package), so a stream never shows text a stop trims.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+try:  # Python 3.11+
+    import re._parser as _sre  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _sre  # type: ignore[no-redef]
+
+import regex
+
+MAX_STOP_REGEX_COUNT = 32  # SGLang's bounds
+MAX_STOP_REGEX_BYTES = 256
+
+
+def validate_stop_regex(value: object) -> list[str]:
+    """``stop_regex`` (a pattern or a list) as a list; ValueError naming stop_regex when invalid."""
+    patterns = [value] if isinstance(value, str) else value
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError("stop_regex must be a string or a list of strings")
+    if len(patterns) > MAX_STOP_REGEX_COUNT:
+        raise ValueError(f"stop_regex takes at most {MAX_STOP_REGEX_COUNT} patterns, got {len(patterns)}")
+    for p in patterns:
+        size = len(p.encode("utf-8", "surrogatepass"))
+        if size > MAX_STOP_REGEX_BYTES:
+            raise ValueError(f"stop_regex pattern is {size} bytes, over the {MAX_STOP_REGEX_BYTES}-byte limit")
+        try:
+            compiled = _compile(p)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise ValueError(f"stop_regex {p!r} is not a valid regular expression: {exc}") from None
+        if compiled.search("") is not None:
+            raise ValueError(f"stop_regex {p!r} matches the empty string, so it would stop at once")
+    return list(patterns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile(pattern: str) -> re.Pattern:
+    return re.compile(pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_partial(pattern: str) -> regex.Pattern | None:
+    try:
+        return regex.compile(pattern)
+    except Exception:  # a pattern ``re`` takes and ``regex`` does not: no hold-back for it
+        return None
+
+
+@functools.lru_cache(maxsize=1024)
+def max_span(pattern: str) -> int | None:
+    """The most characters a match of ``pattern`` can cover, lookarounds included; None if unbounded."""
+    return _span(_sre.parse(pattern))
+
+
+_ONE_CHAR = {"LITERAL", "NOT_LITERAL", "IN", "ANY", "CATEGORY", "RANGE", "NEGATE"}
+_ZERO_WIDTH = {"AT"}
+_REPEATS = {"MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"}
+
+
+def _span(items) -> int | None:
+    total = 0
+    for op, arg in items:
+        name = str(op)
+        if name in _ONE_CHAR:
+            part: int | None = 1
+        elif name in _ZERO_WIDTH:
+            part = 0
+        elif name == "SUBPATTERN":
+            part = _span(arg[-1])
+        elif name == "ATOMIC_GROUP":
+            part = _span(arg)
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            part = _span(arg[1])
+        elif name == "BRANCH":
+            spans = [_span(b) for b in arg[1]]
+            part = None if any(s is None for s in spans) else max(spans, default=0)
+        elif name in _REPEATS:
+            lo, hi, inner = arg
+            one = _span(inner)
+            part = None if one is None or hi == _sre.MAXREPEAT else hi * one
+        else:  # back-references, conditionals: no simple bound
+            part = None
+        if part is None:
+            return None
+        total += part
+    return total
+
+
+def _search_from(pattern: str, text_len: int, new_chars: int) -> int:
+    span = max_span(pattern)
+    if span is None:
+        return 0
+    return max(0, text_len - new_chars - span)
+
+
+def find_stop_regex(text: str, new_chars: int, patterns: list[str]) -> tuple[int, int, str] | None:
+    """The earliest match ``(start, end, pattern)`` that reaches into the last ``new_chars``."""
+    best: tuple[int, int, str] | None = None
+    for p in patterns:
+        m = _compile(p).search(text, _search_from(p, len(text), new_chars))
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), m.end(), p)
+    return best
+
+
+def partial_stop_regex_len(text: str, patterns: list[str]) -> int:
+    """Length of the longest end of ``text`` that could still grow into a match of a pattern."""
+    hold = 0
+    for p in patterns:
+        compiled = _compile_partial(p)
+        if compiled is None:
+            continue
+        start = _search_from(p, len(text), 0)
+        m = compiled.search(text, start, partial=True)
+        if m is not None and m.partial:
+            hold = max(hold, len(text) - m.start())
+    return hold

@@ -1,0 +1,111 @@
+"""GET /dashboard and /dashboard/state on a real server: consistency, queues, bad input, API key."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from helpers import ServerProcess
+
+LONG = {"max_new_tokens": 400, "temperature": 0.8, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "4096")
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        yield c
+
+
+def _wait_for(fetch, ok, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fetch()
+        if ok(value):
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"condition not reached; last value: {value}")
+
+
+def test_dashboard_page_is_served_self_contained(client):
+    r = client.get("/dashboard")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for element in ('id="tree"', 'id="running"', 'id="waiting"', 'id="kv-chart"', "dashboard/state"):
+        assert element in r.text
+    assert "http://" not in r.text.replace("http://www.w3.org/2000/svg", "") and "https://" not in r.text, "no CDN"
+
+
+def test_dashboard_state_tree_is_consistent_with_the_servers_integrity_check(client):
+    prompts = ["The quick brown fox jumps", "The quick brown fox runs", "Radix trees share prefixes"]
+    for p in prompts:
+        assert client.post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).status_code == 200
+    state = client.get("/dashboard/state").json()
+    stats = client.get("/get_server_info").json()["stats"]
+    assert stats["kv_invariant_holds"]
+    tree = state["tree"]
+    assert tree["complete"] and tree["nodes"][0]["size"] == tree["total_tokens"] == stats["tree_slots"] > 0
+    assert sum(n["len"] for n in tree["nodes"]) == stats["tree_slots"]
+    assert all(n["lock"] == 0 for n in tree["nodes"]) and tree["protected"] == 0, "nothing runs: nothing locked"
+    assert any("The quick brown" in n.get("text", "") for n in tree["nodes"])
+    assert all(n["age_s"] is None or n["age_s"] >= 0 for n in tree["nodes"])
+    assert state["counters"]["output_tokens"] >= 12 and state["history"], "history is recorded server-side"
+
+
+def test_dashboard_state_shows_running_requests_with_hit_progress_and_constraint(client, server):
+    client.post("/generate", json={"text": "Question: what is two plus two?", "sampling_params": {"max_new_tokens": 1}})
+
+    def send(sp):
+        with httpx.Client(base_url=server.base_url, timeout=300) as c:
+            c.post("/generate", json={"text": "Question: what is two plus two? Answer", "sampling_params": sp})
+
+    threads = [threading.Thread(target=send, args=(sp,)) for sp in (LONG, {**LONG, "regex": "[a-z ]{1,400}"})]
+    for t in threads:
+        t.start()
+    try:
+        state = _wait_for(lambda: client.get("/dashboard/state").json(), lambda s: len(s["queues"]["running"]) == 2 and all(r["out"] > 0 for r in s["queues"]["running"]))
+        rows = state["queues"]["running"]
+        assert sorted(str(r["constraint"]) for r in rows) == ["None", "regex"]
+        assert all(r["hit"] > 0 and r["max"] == 400 and r["phase"] == "decode" for r in rows)
+        locked = [n for n in state["tree"]["nodes"] if n.get("lock")]
+        assert locked and sum(n["len"] for n in locked) == state["tree"]["protected"]
+        later = _wait_for(lambda: client.get("/dashboard/state").json(), lambda s: s["counters"]["output_tokens"] > state["counters"]["output_tokens"])
+        assert later["now"] > state["now"]
+    finally:
+        for t in threads:
+            t.join(timeout=300)
+
+
+@pytest.mark.parametrize(("query", "param"), [("max_nodes=0", "max_nodes"), ("max_nodes=abc", "max_nodes"), ("max_nodes=999999", "max_nodes"), ("since=nan", "since"), ("since=x", "since")])
+def test_dashboard_state_rejects_bad_query_naming_the_field(client, query, param):
+    r = client.get("/dashboard/state?" + query)
+    assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["param"] == param
+
+
+def test_dashboard_routes_require_the_api_key_when_set(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "1024", "--api-key", "sesame")
+    try:
+        for path in ("/dashboard", "/dashboard/state"):
+            assert httpx.get(srv.base_url + path).status_code == 401, path
+            assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+            assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer sesame"}).status_code == 200, path
+        # a browser: /dashboard?key= once sets a cookie that opens the dashboard's routes only
+        assert httpx.get(srv.base_url + "/dashboard?key=wrong").status_code == 401
+        login = httpx.get(srv.base_url + "/dashboard?key=sesame")
+        assert login.status_code == 303 and login.headers["location"] == "/dashboard"
+        assert "HttpOnly" in login.headers["set-cookie"]
+        with httpx.Client(base_url=srv.base_url, cookies=login.cookies) as browser:
+            assert browser.get("/dashboard").status_code == 200
+            assert browser.get("/dashboard/state").status_code == 200
+            assert browser.get("/get_server_info").status_code == 401
+        assert httpx.get(srv.base_url + "/dashboard/state", cookies={"radixlm_api_key": "wrong"}).status_code == 401
+    finally:
+        assert srv.stop() == 0
