@@ -24,7 +24,7 @@ os.environ.setdefault("RADIXLM_CHECK_ACCOUNTING", "1")
 os.environ.setdefault("RADIXLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["RADIXLM_NUM_THREADS"]))
 
-from helpers import TINY_ARCHS, make_tiny_model  # noqa: E402
+from helpers import API_KEY, TINY_ARCHS, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +49,7 @@ def smollm2_path() -> str:
 
 
 # ------------------------------------------------------------ frontend language (lang/)
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lang_engine_backend(tiny_llama: str):
     """An in-process EngineBackend on the tiny Llama (output quality does not matter)."""
     from radixlm.lang.backend.engine import EngineBackend
@@ -59,17 +59,14 @@ def lang_engine_backend(tiny_llama: str):
     backend.shutdown()
 
 
-@pytest.fixture(scope="module")
-def lang_server_backend(tiny_llama: str):
-    """A RuntimeEndpoint talking to ``radixlm serve`` on the tiny Llama, in a child process."""
-    from helpers import ServerProcess
+@pytest.fixture(scope="session")
+def lang_server_backend(tiny_server):
+    """A RuntimeEndpoint talking to ``radixlm serve`` on the tiny Llama (the shared ``tiny_server``)."""
     from radixlm.lang.backend.endpoint import RuntimeEndpoint
 
-    server = ServerProcess(tiny_llama)
-    backend = RuntimeEndpoint(server.base_url)
+    backend = RuntimeEndpoint(tiny_server.base_url)
     yield backend
     backend.shutdown()
-    server.stop()
 
 
 @pytest.fixture(params=["engine", "server"])
@@ -88,14 +85,24 @@ def smollm2_backend(smollm2_path: str):
     backend.shutdown()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_server(tiny_llama: str):
-    """``radixlm serve`` of the tiny Llama in a child process (``.base_url``), for HTTP clients."""
+    """``radixlm serve`` of the tiny Llama (served as "tiny", 4096 KV tokens), shared by the session's HTTP tests."""
     from helpers import ServerProcess
 
-    server = ServerProcess(tiny_llama)
+    server = ServerProcess(tiny_llama, "--max-total-tokens", "4096", "--served-model-name", "tiny")
     yield server
-    server.stop()
+    assert server.stop() == 0, "the shared server did not exit cleanly"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tiny_llama: str):
+    """``radixlm serve`` of the tiny Llama with ``--api-key API_KEY`` (served as "tiny"), shared by the session."""
+    from helpers import ServerProcess
+
+    server = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--api-key", API_KEY, "--served-model-name", "tiny")
+    yield server
+    assert server.stop() == 0, "the keyed server did not exit cleanly"
 
 
 @pytest.fixture(scope="module")

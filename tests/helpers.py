@@ -25,6 +25,8 @@ _CORPUS = [
 ] * 20
 
 
+API_KEY = "sekret"  # the key of the session's shared ``keyed_server`` (tests/conftest.py)
+
 def make_tokenizer(folder: Path) -> None:
     """Train a small byte-level BPE tokenizer with chat tokens and save it as a HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

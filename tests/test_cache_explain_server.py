@@ -11,18 +11,15 @@ import httpx
 import openai
 import pytest
 
-from helpers import ServerProcess
+from helpers import API_KEY as KEY
 
-KEY = "sekret"
 PREFIX = list(range(300, 340))
 GREEDY = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--api-key", KEY, "--served-model-name", "tiny")
-    yield srv
-    assert srv.stop() == 0
+def server(keyed_server):
+    return keyed_server  # the session's shared server with --api-key KEY (its clean exit is checked at the end)
 
 
 @pytest.fixture(scope="module")

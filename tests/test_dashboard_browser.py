@@ -16,8 +16,6 @@ import time
 import httpx
 import pytest
 
-from helpers import ServerProcess
-
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
 
@@ -59,9 +57,9 @@ def _until(fetch, ok, timeout: float = 240.0):
     raise AssertionError(f"condition not reached; last value: {value}")
 
 
-def test_dashboard_in_headless_chromium_draws_tree_and_queues_and_updates_under_load(tiny_llama, tmp_path):
+def test_dashboard_in_headless_chromium_draws_tree_and_queues_and_updates_under_load(tiny_server, tmp_path):
     binary = _browser()
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "4096")
+    srv = tiny_server
     stop = threading.Event()
 
     def load(i: int) -> None:
@@ -87,4 +85,3 @@ def test_dashboard_in_headless_chromium_draws_tree_and_queues_and_updates_under_
         stop.set()
         for w in workers:
             w.join(timeout=300)
-        assert srv.stop() == 0

@@ -8,16 +8,14 @@ import time
 import httpx
 import pytest
 
-from helpers import ServerProcess
+from helpers import API_KEY
 
 LONG = {"max_new_tokens": 400, "temperature": 0.8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "4096")
-    yield srv
-    assert srv.stop() == 0
+def server(tiny_server):
+    return tiny_server  # the session's shared tiny-model server (its clean exit is checked at the end)
 
 
 @pytest.fixture(scope="module")
@@ -90,22 +88,19 @@ def test_dashboard_state_rejects_bad_query_naming_the_field(client, query, param
     assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["param"] == param
 
 
-def test_dashboard_routes_require_the_api_key_when_set(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "1024", "--api-key", "sesame")
-    try:
-        for path in ("/dashboard", "/dashboard/state"):
-            assert httpx.get(srv.base_url + path).status_code == 401, path
-            assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
-            assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer sesame"}).status_code == 200, path
-        # a browser: /dashboard?key= once sets a cookie that opens the dashboard's routes only
-        assert httpx.get(srv.base_url + "/dashboard?key=wrong").status_code == 401
-        login = httpx.get(srv.base_url + "/dashboard?key=sesame")
-        assert login.status_code == 303 and login.headers["location"] == "/dashboard"
-        assert "HttpOnly" in login.headers["set-cookie"]
-        with httpx.Client(base_url=srv.base_url, cookies=login.cookies) as browser:
-            assert browser.get("/dashboard").status_code == 200
-            assert browser.get("/dashboard/state").status_code == 200
-            assert browser.get("/get_server_info").status_code == 401
-        assert httpx.get(srv.base_url + "/dashboard/state", cookies={"radixlm_api_key": "wrong"}).status_code == 401
-    finally:
-        assert srv.stop() == 0
+def test_dashboard_routes_require_the_api_key_when_set(keyed_server):
+    srv = keyed_server
+    for path in ("/dashboard", "/dashboard/state"):
+        assert httpx.get(srv.base_url + path).status_code == 401, path
+        assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+        assert httpx.get(srv.base_url + path, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200, path
+    # a browser: /dashboard?key= once sets a cookie that opens the dashboard's routes only
+    assert httpx.get(srv.base_url + "/dashboard?key=wrong").status_code == 401
+    login = httpx.get(srv.base_url + f"/dashboard?key={API_KEY}")
+    assert login.status_code == 303 and login.headers["location"] == "/dashboard"
+    assert "HttpOnly" in login.headers["set-cookie"]
+    with httpx.Client(base_url=srv.base_url, cookies=login.cookies) as browser:
+        assert browser.get("/dashboard").status_code == 200
+        assert browser.get("/dashboard/state").status_code == 200
+        assert browser.get("/get_server_info").status_code == 401
+    assert httpx.get(srv.base_url + "/dashboard/state", cookies={"radixlm_api_key": "wrong"}).status_code == 401

@@ -12,14 +12,12 @@ import httpx
 import openai
 import pytest
 
-from helpers import ServerProcess
+from helpers import API_KEY, ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "4096", "--served-model-name", "tiny")
-    yield srv
-    assert srv.stop() == 0
+def server(tiny_server):
+    return tiny_server  # the session's shared tiny-model server (its clean exit is checked at the end)
 
 
 @pytest.fixture(scope="module")
@@ -241,22 +239,19 @@ def test_non_streaming_client_disconnect_aborts(client, server):
     _assert_clean(client)
 
 
-def test_api_key_is_required_when_set(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "1024", "--api-key", "sesame")
-    try:
-        assert httpx.get(srv.base_url + "/health").status_code == 200
-        r = httpx.post(srv.base_url + "/generate", json={"text": "x", "sampling_params": GREEDY})
-        assert r.status_code == 401 and r.json()["object"] == "error"
-        for path in ("/metrics", "/get_server_info", "/v1/models"):
-            assert httpx.get(srv.base_url + path).status_code == 401, path
-            assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer sesamf"}).status_code == 401, path
-        assert httpx.get(srv.base_url + "/metrics", headers={"Authorization": "Bearer sesame"}).status_code == 200
-        ok = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sesame")
-        assert ok.completions.create(model="m", prompt="x", max_tokens=2).choices
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong").completions.create(model="m", prompt="x", max_tokens=2)
-    finally:
-        assert srv.stop() == 0
+def test_api_key_is_required_when_set(keyed_server):
+    srv = keyed_server
+    assert httpx.get(srv.base_url + "/health").status_code == 200
+    r = httpx.post(srv.base_url + "/generate", json={"text": "x", "sampling_params": GREEDY})
+    assert r.status_code == 401 and r.json()["object"] == "error"
+    for path in ("/metrics", "/get_server_info", "/v1/models"):
+        assert httpx.get(srv.base_url + path).status_code == 401, path
+        assert httpx.get(srv.base_url + path, headers={"Authorization": "Bearer sekreu"}).status_code == 401, path
+    assert httpx.get(srv.base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    ok = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=API_KEY)
+    assert ok.completions.create(model="m", prompt="x", max_tokens=2).choices
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong").completions.create(model="m", prompt="x", max_tokens=2)
 
 
 def test_full_queue_answers_429_and_sigterm_drains(tiny_llama):

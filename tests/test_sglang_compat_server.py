@@ -13,18 +13,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers import ServerProcess
-
 CLIENT_DIR = Path(os.environ.get("RADIXLM_SGLANG_CLIENT", Path(sys.executable).parent.parent / "sglang-client"))
 SAMPLED = {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True}
 PROMPT = "Radix trees share prefixes; caches"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "4096")
-    yield srv
-    assert srv.stop() == 0
+def server(tiny_server):
+    return tiny_server  # the session's shared tiny-model server (its clean exit is checked at the end)
 
 
 @pytest.fixture(scope="module")
