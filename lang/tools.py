@@ -26,13 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import TypeAdapter, validate_call
-
 from radixlm.lang.ir import Constant, Expr, ExprList, RoleBegin, RoleEnd, SetVar
-from radixlm.runtime import tool_calls
-from radixlm.runtime.protocol import Tool as ProtocolTool
+from radixlm.runtime.tool_markers import CLOSE, OPEN
 
-OPEN, CLOSE = tool_calls.OPEN, tool_calls.CLOSE
+__all__ = ["CLOSE", "OPEN", "Tool", "as_tools", "call_tool", "calls_schema", "describe_tools", "run_call", "tool"]
+
+# pydantic and the server's protocol models are imported where a tool is made or described, so
+# that ``import radixlm`` stays light for programs that never define a tool.
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,8 @@ class Tool:
 
     def invoke(self, arguments: dict[str, Any]) -> Any:
         """Call the function with ``arguments`` validated (and coerced) against its signature."""
+        from pydantic import validate_call
+
         return validate_call(self.fn)(**arguments)
 
     def spec(self) -> dict[str, Any]:
@@ -57,6 +59,9 @@ class Tool:
 
     def call_schema(self) -> dict[str, Any]:
         """JSON schema of one call of this tool: ``{"name": <this name>, "arguments": {...}}``."""
+        from radixlm.runtime import tool_calls
+        from radixlm.runtime.protocol import Tool as ProtocolTool
+
         return tool_calls.call_schema(ProtocolTool.model_validate(self.spec()))
 
 
@@ -64,6 +69,10 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, descr
     """Turn a typed function into a Tool (use as ``@tool`` or ``@tool(name=..., description=...)``)."""
 
     def make(f: Callable[..., Any]) -> Tool:
+        from pydantic import TypeAdapter
+
+        from radixlm.runtime.protocol import Tool as ProtocolTool
+
         sig = inspect.signature(f)
         for p in sig.parameters.values():
             if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY):
@@ -115,6 +124,9 @@ def calls_schema(tools: Sequence[Tool]) -> dict[str, Any]:
 
 def describe_tools(tools: Sequence[Any]) -> str:
     """Text for a system message listing the tools and the call format (the server uses the same)."""
+    from radixlm.runtime import tool_calls
+    from radixlm.runtime.protocol import Tool as ProtocolTool
+
     return tool_calls.tools_system_prompt([ProtocolTool.model_validate(t.spec()) for t in as_tools(tools)])
 
 

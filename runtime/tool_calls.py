@@ -18,8 +18,7 @@ import uuid
 from typing import Any
 
 from radixlm.runtime.protocol import ChatMessage, Tool
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from radixlm.runtime.tool_markers import CLOSE, OPEN
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
