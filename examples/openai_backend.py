@@ -12,8 +12,7 @@ what was sent.
 import argparse
 import json
 
-from radixlm.lang.api import assistant, function, gen, select, user
-from radixlm.lang.backend.openai import OpenAI
+from radixlm import OpenAI, assistant, function, gen, select, user
 
 FEW_SHOT = "Name: Alice\nClass: Mage\nWeapon: Staff\n\nName: Bob\nClass: Warrior\nWeapon: Sword\n\n"
 
