@@ -95,6 +95,15 @@ def tiny_server(tiny_llama: str):
     assert server.stop() == 0, "the shared server did not exit cleanly"
 
 
+@pytest.fixture(scope="module")
+def tiny_client(tiny_server):
+    """An httpx client of the shared tiny-model server."""
+    import httpx
+
+    with httpx.Client(base_url=tiny_server.base_url, timeout=120) as c:
+        yield c
+
+
 @pytest.fixture(scope="session")
 def keyed_server(tiny_llama: str):
     """``radixlm serve`` of the tiny Llama with ``--api-key API_KEY`` (served as "tiny"), shared by the session."""

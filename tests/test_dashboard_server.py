@@ -13,17 +13,6 @@ from helpers import API_KEY
 LONG = {"max_new_tokens": 400, "temperature": 0.8, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server  # the session's shared tiny-model server (its clean exit is checked at the end)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
-
-
 def _wait_for(fetch, ok, timeout: float = 120.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -34,20 +23,20 @@ def _wait_for(fetch, ok, timeout: float = 120.0):
     raise AssertionError(f"condition not reached; last value: {value}")
 
 
-def test_dashboard_page_is_served_self_contained(client):
-    r = client.get("/dashboard")
+def test_dashboard_page_is_served_self_contained(tiny_client):
+    r = tiny_client.get("/dashboard")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     for element in ('id="tree"', 'id="running"', 'id="waiting"', 'id="kv-chart"', "dashboard/state"):
         assert element in r.text
     assert "http://" not in r.text.replace("http://www.w3.org/2000/svg", "") and "https://" not in r.text, "no CDN"
 
 
-def test_dashboard_state_tree_is_consistent_with_the_servers_integrity_check(client):
+def test_dashboard_state_tree_is_consistent_with_the_servers_integrity_check(tiny_client):
     prompts = ["The quick brown fox jumps", "The quick brown fox runs", "Radix trees share prefixes"]
     for p in prompts:
-        assert client.post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).status_code == 200
-    state = client.get("/dashboard/state").json()
-    stats = client.get("/get_server_info").json()["stats"]
+        assert tiny_client.post("/generate", json={"text": p, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).status_code == 200
+    state = tiny_client.get("/dashboard/state").json()
+    stats = tiny_client.get("/get_server_info").json()["stats"]
     assert stats["kv_invariant_holds"]
     tree = state["tree"]
     assert tree["complete"] and tree["nodes"][0]["size"] == tree["total_tokens"] == stats["tree_slots"] > 0
@@ -58,24 +47,24 @@ def test_dashboard_state_tree_is_consistent_with_the_servers_integrity_check(cli
     assert state["counters"]["output_tokens"] >= 12 and state["history"], "history is recorded server-side"
 
 
-def test_dashboard_state_shows_running_requests_with_hit_progress_and_constraint(client, server):
-    client.post("/generate", json={"text": "Question: what is two plus two?", "sampling_params": {"max_new_tokens": 1}})
+def test_dashboard_state_shows_running_requests_with_hit_progress_and_constraint(tiny_client, tiny_server):
+    tiny_client.post("/generate", json={"text": "Question: what is two plus two?", "sampling_params": {"max_new_tokens": 1}})
 
     def send(sp):
-        with httpx.Client(base_url=server.base_url, timeout=300) as c:
+        with httpx.Client(base_url=tiny_server.base_url, timeout=300) as c:
             c.post("/generate", json={"text": "Question: what is two plus two? Answer", "sampling_params": sp})
 
     threads = [threading.Thread(target=send, args=(sp,)) for sp in (LONG, {**LONG, "regex": "[a-z ]{1,400}"})]
     for t in threads:
         t.start()
     try:
-        state = _wait_for(lambda: client.get("/dashboard/state").json(), lambda s: len(s["queues"]["running"]) == 2 and all(r["out"] > 0 for r in s["queues"]["running"]))
+        state = _wait_for(lambda: tiny_client.get("/dashboard/state").json(), lambda s: len(s["queues"]["running"]) == 2 and all(r["out"] > 0 for r in s["queues"]["running"]))
         rows = state["queues"]["running"]
         assert sorted(str(r["constraint"]) for r in rows) == ["None", "regex"]
         assert all(r["hit"] > 0 and r["max"] == 400 and r["phase"] == "decode" for r in rows)
         locked = [n for n in state["tree"]["nodes"] if n.get("lock")]
         assert locked and sum(n["len"] for n in locked) == state["tree"]["protected"]
-        later = _wait_for(lambda: client.get("/dashboard/state").json(), lambda s: s["counters"]["output_tokens"] > state["counters"]["output_tokens"])
+        later = _wait_for(lambda: tiny_client.get("/dashboard/state").json(), lambda s: s["counters"]["output_tokens"] > state["counters"]["output_tokens"])
         assert later["now"] > state["now"]
     finally:
         for t in threads:
@@ -83,8 +72,8 @@ def test_dashboard_state_shows_running_requests_with_hit_progress_and_constraint
 
 
 @pytest.mark.parametrize(("query", "param"), [("max_nodes=0", "max_nodes"), ("max_nodes=abc", "max_nodes"), ("max_nodes=999999", "max_nodes"), ("since=nan", "since"), ("since=x", "since")])
-def test_dashboard_state_rejects_bad_query_naming_the_field(client, query, param):
-    r = client.get("/dashboard/state?" + query)
+def test_dashboard_state_rejects_bad_query_naming_the_field(tiny_client, query, param):
+    r = tiny_client.get("/dashboard/state?" + query)
     assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["param"] == param
 
 

@@ -16,27 +16,16 @@ from helpers import API_KEY, ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server  # the session's shared tiny-model server (its clean exit is checked at the end)
+def oai(tiny_server):
+    return openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="unused")
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
+def _stats(tiny_client) -> dict:
+    return tiny_client.get("/get_server_info").json()["stats"]
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-
-
-def _stats(client) -> dict:
-    return client.get("/get_server_info").json()["stats"]
-
-
-def _assert_clean(client) -> None:
-    stats = _stats(client)
+def _assert_clean(tiny_client) -> None:
+    stats = _stats(tiny_client)
     assert stats["kv_invariant_holds"]
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["running_slots"] == 0
 
@@ -44,23 +33,23 @@ def _assert_clean(client) -> None:
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
-def test_native_generate_single_batch_and_stream(client):
-    one = client.post("/generate", json={"text": "The quick brown", "sampling_params": GREEDY}).json()
+def test_native_generate_single_batch_and_stream(tiny_client):
+    one = tiny_client.post("/generate", json={"text": "The quick brown", "sampling_params": GREEDY}).json()
     assert len(one["output_ids"]) == 6 and one["meta_info"]["finish_reason"]["type"] == "length"
-    batch = client.post("/generate", json={"text": ["The quick brown", "Radix"], "sampling_params": GREEDY}).json()
+    batch = tiny_client.post("/generate", json={"text": ["The quick brown", "Radix"], "sampling_params": GREEDY}).json()
     assert batch[0]["output_ids"] == one["output_ids"] and len(batch) == 2
-    ids = client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY, "rid": "my-id"}).json()
+    ids = tiny_client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY, "rid": "my-id"}).json()
     assert ids["meta_info"]["id"] == "my-id"
-    with client.stream("POST", "/generate", json={"text": "The quick brown", "sampling_params": GREEDY, "stream": True}) as r:
+    with tiny_client.stream("POST", "/generate", json={"text": "The quick brown", "sampling_params": GREEDY, "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert chunks[-1]["output_ids"] == one["output_ids"] and chunks[-1]["text"] == one["text"]
-    _assert_clean(client)
+    _assert_clean(tiny_client)
 
 
-def test_prefill_only_request_returns_prompt_logprobs(client):
-    out = client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}).json()
+def test_prefill_only_request_returns_prompt_logprobs(tiny_client):
+    out = tiny_client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": 0}).json()
     assert out["output_ids"] == []
     lps = out["meta_info"]["input_token_logprobs"]
     assert [t[1] for t in lps] == [5, 6, 7, 8] and lps[0][0] is None and all(t[0] <= 0 for t in lps[1:])
@@ -106,31 +95,31 @@ def test_chat_logprobs_and_seed(oai):
     assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
 
 
-def test_models_health_and_info_routes(client):
-    assert client.get("/health").status_code == 200
-    assert client.get("/health_generate").status_code == 200
-    models = client.get("/v1/models").json()
+def test_models_health_and_info_routes(tiny_client):
+    assert tiny_client.get("/health").status_code == 200
+    assert tiny_client.get("/health_generate").status_code == 200
+    models = tiny_client.get("/v1/models").json()
     assert models["data"][0]["id"] == "tiny"
-    info = client.get("/get_model_info").json()
+    info = tiny_client.get("/get_model_info").json()
     assert info["architecture"] == "llama" and info["context_length"] == 4096
 
 
-def test_metrics_scrape_counts_requests_and_tokens(client):
-    client.post("/generate", json={"text": "metrics", "sampling_params": GREEDY})
-    text = client.get("/metrics").text
+def test_metrics_scrape_counts_requests_and_tokens(tiny_client):
+    tiny_client.post("/generate", json={"text": "metrics", "sampling_params": GREEDY})
+    text = tiny_client.get("/metrics").text
     for name in ("radixlm_num_running_requests", "radixlm_prompt_tokens_total", "radixlm_generation_tokens_total", "radixlm_cached_tokens_total", "radixlm_kv_cache_usage_ratio", "radixlm_time_to_first_token_seconds_bucket", "radixlm_inter_token_latency_seconds_bucket", "radixlm_e2e_request_latency_seconds_bucket"):
         assert name in text, name
     gen = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("radixlm_generation_tokens_total"))
     assert gen >= 6
 
 
-def test_flush_cache_and_abort_request(client):
-    client.post("/generate", json={"text": "flush me", "sampling_params": GREEDY})
-    assert _stats(client)["tree_slots"] > 0
-    assert client.post("/flush_cache").status_code == 200
-    assert _stats(client)["tree_slots"] == 0
-    assert client.post("/abort_request", json={"rid": "nobody"}).json()["aborted"] is False
-    assert client.post("/abort_request", json={"rid": 3}).status_code == 400
+def test_flush_cache_and_abort_request(tiny_client):
+    tiny_client.post("/generate", json={"text": "flush me", "sampling_params": GREEDY})
+    assert _stats(tiny_client)["tree_slots"] > 0
+    assert tiny_client.post("/flush_cache").status_code == 200
+    assert _stats(tiny_client)["tree_slots"] == 0
+    assert tiny_client.post("/abort_request", json={"rid": "nobody"}).json()["aborted"] is False
+    assert tiny_client.post("/abort_request", json={"rid": 3}).status_code == 400
 
 
 LONG = "word " * 4200
@@ -177,40 +166,40 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("path, body, needle", BAD_INPUTS, ids=[f"{i}-{p.rsplit('/', 1)[-1]}-{n}" for i, (p, _, n) in enumerate(BAD_INPUTS)])
-def test_bad_input_is_a_4xx_with_a_useful_message(client, path, body, needle):
-    r = client.post(path, json=body)
+def test_bad_input_is_a_4xx_with_a_useful_message(tiny_client, path, body, needle):
+    r = tiny_client.post(path, json=body)
     assert 400 <= r.status_code < 500, r.text
     err = r.json()
     assert err["object"] == "error" and needle.lower() in (err["message"] + str(err.get("param"))).lower(), err
 
 
-def test_malformed_and_huge_bodies(client):
-    r = client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
+def test_malformed_and_huge_bodies(tiny_client):
+    r = tiny_client.post("/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["message"]
-    r = client.post("/generate", content=b"x" * (17 << 20), headers={"content-type": "application/json"})
+    r = tiny_client.post("/generate", content=b"x" * (17 << 20), headers={"content-type": "application/json"})
     assert r.status_code == 413
 
 
-def test_the_server_still_serves_and_leaks_nothing_after_bad_input(client):
+def test_the_server_still_serves_and_leaks_nothing_after_bad_input(tiny_client):
     for path, body, _ in BAD_INPUTS:
-        client.post(path, json=body)
-    assert client.post("/generate", json={"text": "still alive", "sampling_params": GREEDY}).status_code == 200
-    _assert_clean(client)
+        tiny_client.post(path, json=body)
+    assert tiny_client.post("/generate", json={"text": "still alive", "sampling_params": GREEDY}).status_code == 200
+    _assert_clean(tiny_client)
 
 
-def test_streaming_client_disconnect_aborts_within_a_step(client, server):
+def test_streaming_client_disconnect_aborts_within_a_step(tiny_client, tiny_server):
     body = json.dumps({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock = socket.create_connection(("127.0.0.1", tiny_server.port))
     sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     received = b""
     while b"data: " not in received:  # wait until streaming has started
         chunk = sock.recv(4096)
         assert chunk, "the server closed the stream"
         received += chunk
-    before = _stats(client)["forward_passes"]
+    before = _stats(tiny_client)["forward_passes"]
     sock.close()
     for _ in range(200):
-        stats = _stats(client)
+        stats = _stats(tiny_client)
         if stats["num_running"] == 0:
             break
         time.sleep(0.02)
@@ -218,25 +207,25 @@ def test_streaming_client_disconnect_aborts_within_a_step(client, server):
     # The abort lands at the first step boundary after the server sees the socket close; the
     # tiny model steps every few ms, so this bound leaves room for a busy event loop noticing.
     assert stats["forward_passes"] - before <= 50, "the aborted request kept decoding"
-    _assert_clean(client)
+    _assert_clean(tiny_client)
 
 
-def test_non_streaming_client_disconnect_aborts(client, server):
+def test_non_streaming_client_disconnect_aborts(tiny_client, tiny_server):
     body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
-    before = _stats(client)["forward_passes"]
-    with httpx.Client(base_url=server.base_url, timeout=0.5) as c2:
+    before = _stats(tiny_client)["forward_passes"]
+    with httpx.Client(base_url=tiny_server.base_url, timeout=0.5) as c2:
         with pytest.raises(httpx.ReadTimeout):
             c2.post("/generate", json=body)
     # Wait on the condition with a deadline generous for a loaded 2-core machine; the abort
     # lands within a second of the server noticing the disconnect (it polls every 0.25 s).
     deadline = time.monotonic() + 60
-    while _stats(client)["num_running"] != 0 and time.monotonic() < deadline:
+    while _stats(tiny_client)["num_running"] != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
-    stats = _stats(client)
+    stats = _stats(tiny_client)
     assert stats["num_running"] == 0
     # 3000 tokens take ~3000 steps: an aborted request stops long before
     assert stats["forward_passes"] - before < 2000, "the request ran on after its client left"
-    _assert_clean(client)
+    _assert_clean(tiny_client)
 
 
 def test_api_key_is_required_when_set(keyed_server):

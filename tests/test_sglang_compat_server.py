@@ -10,23 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 CLIENT_DIR = Path(os.environ.get("RADIXLM_SGLANG_CLIENT", Path(sys.executable).parent.parent / "sglang-client"))
 SAMPLED = {"max_new_tokens": 5, "temperature": 1.0, "ignore_eos": True}
 PROMPT = "Radix trees share prefixes; caches"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_server):
-    return tiny_server  # the session's shared tiny-model server (its clean exit is checked at the end)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +33,14 @@ def tokenizer(tiny_llama):
     return AutoTokenizer.from_pretrained(tiny_llama)
 
 
-def _generate(client, **body):
-    r = client.post("/generate", json=body)
+def _generate(tiny_client, **body):
+    r = tiny_client.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
 
-def _refused(client, sampling_params: dict, field: str) -> str:
-    r = client.post("/generate", json={"text": "x", "sampling_params": sampling_params})
+def _refused(tiny_client, sampling_params: dict, field: str) -> str:
+    r = tiny_client.post("/generate", json={"text": "x", "sampling_params": sampling_params})
     assert r.status_code == 400, r.text
     err = r.json()
     assert err["param"] == field and field in err["message"], err
@@ -60,14 +48,14 @@ def _refused(client, sampling_params: dict, field: str) -> str:
 
 
 # ------------------------------------------------------------------ n
-def test_n_samples_share_the_prompt_kv_and_seed_plus_j(client):
-    client.post("/flush_cache")
-    outs = _generate(client, text=PROMPT, sampling_params={**SAMPLED, "n": 3, "seed": 7})
+def test_n_samples_share_the_prompt_kv_and_seed_plus_j(tiny_client):
+    tiny_client.post("/flush_cache")
+    outs = _generate(tiny_client, text=PROMPT, sampling_params={**SAMPLED, "n": 3, "seed": 7})
     assert isinstance(outs, list) and len(outs) == 3
     prompt_tokens = outs[0]["meta_info"]["prompt_tokens"]
     assert outs[0]["meta_info"]["cached_tokens"] == 0
     assert [o["meta_info"]["cached_tokens"] for o in outs[1:]] == [prompt_tokens - 1] * 2  # all but the last prompt token
-    alone = _generate(client, text=PROMPT, sampling_params={**SAMPLED, "seed": 8})
+    alone = _generate(tiny_client, text=PROMPT, sampling_params={**SAMPLED, "seed": 8})
     assert outs[1]["output_ids"] == alone["output_ids"]  # sample 1 is seeded seed + 1
 
 
@@ -86,37 +74,37 @@ def test_n_samples_wait_for_the_first_prompt_kv_however_short_it_is(tiny_llama, 
     assert d.steps <= 3 + 1  # the samples after the first wait one step, not one step each
 
 
-def test_n_on_a_batch_answers_prompt_major(client):
+def test_n_on_a_batch_answers_prompt_major(tiny_client):
     greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
-    outs = _generate(client, text=["The quick brown", "Once upon"], sampling_params={**greedy, "n": 2})
-    singles = [_generate(client, text=t, sampling_params=greedy) for t in ("The quick brown", "Once upon")]
+    outs = _generate(tiny_client, text=["The quick brown", "Once upon"], sampling_params={**greedy, "n": 2})
+    singles = [_generate(tiny_client, text=t, sampling_params=greedy) for t in ("The quick brown", "Once upon")]
     assert [o["output_ids"] for o in outs] == [singles[0]["output_ids"]] * 2 + [singles[1]["output_ids"]] * 2
 
 
-def test_n_refused_by_name_below_one_above_capacity_streamed_or_with_a_rid(client):
-    _refused(client, {"n": 0}, "n")
-    _refused(client, {"n": "two"}, "n")
-    assert "at most" in _refused(client, {"n": 100_000}, "n")
-    r = client.post("/generate", json={"text": "x", "stream": True, "sampling_params": {"n": 2}})
+def test_n_refused_by_name_below_one_above_capacity_streamed_or_with_a_rid(tiny_client):
+    _refused(tiny_client, {"n": 0}, "n")
+    _refused(tiny_client, {"n": "two"}, "n")
+    assert "at most" in _refused(tiny_client, {"n": 100_000}, "n")
+    r = tiny_client.post("/generate", json={"text": "x", "stream": True, "sampling_params": {"n": 2}})
     assert r.status_code == 400 and r.json()["param"] == "n"
-    r = client.post("/generate", json={"text": "x", "rid": "one", "sampling_params": {"n": 2}})
+    r = tiny_client.post("/generate", json={"text": "x", "rid": "one", "sampling_params": {"n": 2}})
     assert r.status_code == 400 and r.json()["param"] == "rid"
 
 
 # ------------------------------------------------------------------ stop_regex
-def test_stop_regex_trims_the_match_and_reports_the_pattern(client):
-    out = _generate(client, text="Code: ", sampling_params={"max_new_tokens": 16, "temperature": 0, "regex": "abc1def", "stop_regex": [r"\d", "zz"]})
+def test_stop_regex_trims_the_match_and_reports_the_pattern(tiny_client):
+    out = _generate(tiny_client, text="Code: ", sampling_params={"max_new_tokens": 16, "temperature": 0, "regex": "abc1def", "stop_regex": [r"\d", "zz"]})
     assert out["text"] == "abc"
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\d"}
-    kept = _generate(client, text="Code: ", sampling_params={"max_new_tokens": 16, "temperature": 0, "regex": "abc1def", "stop_regex": r"\d", "no_stop_trim": True})
+    kept = _generate(tiny_client, text="Code: ", sampling_params={"max_new_tokens": 16, "temperature": 0, "regex": "abc1def", "stop_regex": r"\d", "no_stop_trim": True})
     assert kept["text"] == "abc1"
 
 
-def test_stop_regex_invalid_or_too_many_or_too_long_is_a_400_naming_it(client):
-    assert "regular expression" in _refused(client, {"stop_regex": "(unclosed"}, "stop_regex")
-    assert "at most 32" in _refused(client, {"stop_regex": ["a"] * 33}, "stop_regex")
-    assert "256-byte" in _refused(client, {"stop_regex": "a" * 257}, "stop_regex")
-    assert "empty string" in _refused(client, {"stop_regex": "a*"}, "stop_regex")
+def test_stop_regex_invalid_or_too_many_or_too_long_is_a_400_naming_it(tiny_client):
+    assert "regular expression" in _refused(tiny_client, {"stop_regex": "(unclosed"}, "stop_regex")
+    assert "at most 32" in _refused(tiny_client, {"stop_regex": ["a"] * 33}, "stop_regex")
+    assert "256-byte" in _refused(tiny_client, {"stop_regex": "a" * 257}, "stop_regex")
+    assert "empty string" in _refused(tiny_client, {"stop_regex": "a*"}, "stop_regex")
 
 
 def test_stream_holds_back_text_a_stop_regex_may_still_trim(tokenizer):
@@ -138,74 +126,74 @@ def test_stream_holds_back_text_a_stop_regex_may_still_trim(tokenizer):
 
 
 # ------------------------------------------------------------------ other parameters
-def test_logit_bias_forces_a_token_on_generate_and_openai(client, tokenizer):
-    out = _generate(client, text="The quick", sampling_params={"max_new_tokens": 6, "temperature": 0, "logit_bias": {"70": 100}})
+def test_logit_bias_forces_a_token_on_generate_and_openai(tiny_client, tokenizer):
+    out = _generate(tiny_client, text="The quick", sampling_params={"max_new_tokens": 6, "temperature": 0, "logit_bias": {"70": 100}})
     assert out["output_ids"] == [70] * 6
-    r = client.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 4, "temperature": 0, "logit_bias": {"70": 100}})
+    r = tiny_client.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 4, "temperature": 0, "logit_bias": {"70": 100}})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == tokenizer.decode([70] * 4)
-    unbiased = _generate(client, text="The quick", sampling_params={"max_new_tokens": 6, "temperature": 0})
+    unbiased = _generate(tiny_client, text="The quick", sampling_params={"max_new_tokens": 6, "temperature": 0})
     assert unbiased["output_ids"] != [70] * 6
 
 
-def test_logit_bias_bad_ids_or_values_are_a_400_naming_it(client):
-    assert "vocabulary" in _refused(client, {"logit_bias": {"100000": 1}}, "logit_bias")
-    assert "token ids" in _refused(client, {"logit_bias": {"seven": 1}}, "logit_bias")
-    assert "finite" in _refused(client, {"logit_bias": {"5": "high"}}, "logit_bias")
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 5}})
+def test_logit_bias_bad_ids_or_values_are_a_400_naming_it(tiny_client):
+    assert "vocabulary" in _refused(tiny_client, {"logit_bias": {"100000": 1}}, "logit_bias")
+    assert "token ids" in _refused(tiny_client, {"logit_bias": {"seven": 1}}, "logit_bias")
+    assert "finite" in _refused(tiny_client, {"logit_bias": {"5": "high"}}, "logit_bias")
+    r = tiny_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 5}})
     assert r.status_code == 400 and r.json()["param"] == "logit_bias"
 
 
-def test_stream_interval_streams_every_k_tokens_and_keeps_every_logprob(client):
+def test_stream_interval_streams_every_k_tokens_and_keeps_every_logprob(tiny_client):
     body = {"text": "The quick", "stream": True, "return_logprob": True, "sampling_params": {"max_new_tokens": 7, "temperature": 0, "ignore_eos": True, "stream_interval": 3}}
-    with client.stream("POST", "/generate", json=body) as r:
+    with tiny_client.stream("POST", "/generate", json=body) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert [len(c["output_ids"]) for c in chunks] == [3, 6, 7]
     entries = [e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]
     assert [e[1] for e in entries] == chunks[-1]["output_ids"]
-    _refused(client, {"stream_interval": 0}, "stream_interval")
+    _refused(tiny_client, {"stream_interval": 0}, "stream_interval")
 
 
-def test_sampling_seed_is_seed_and_a_conflict_is_refused(client):
-    a = _generate(client, text=PROMPT, sampling_params={**SAMPLED, "sampling_seed": 11})
-    b = _generate(client, text=PROMPT, sampling_params={**SAMPLED, "seed": 11})
+def test_sampling_seed_is_seed_and_a_conflict_is_refused(tiny_client):
+    a = _generate(tiny_client, text=PROMPT, sampling_params={**SAMPLED, "sampling_seed": 11})
+    b = _generate(tiny_client, text=PROMPT, sampling_params={**SAMPLED, "seed": 11})
     assert a["output_ids"] == b["output_ids"]
-    _generate(client, text=PROMPT, sampling_params={**SAMPLED, "seed": 11, "sampling_seed": 11})
-    _refused(client, {"seed": 1, "sampling_seed": 2}, "sampling_seed")
+    _generate(tiny_client, text=PROMPT, sampling_params={**SAMPLED, "seed": 11, "sampling_seed": 11})
+    _refused(tiny_client, {"seed": 1, "sampling_seed": 2}, "sampling_seed")
 
 
-def test_spaces_between_special_tokens_matches_the_fast_tokenizer_decode(client, tokenizer):
+def test_spaces_between_special_tokens_matches_the_fast_tokenizer_decode(tiny_client, tokenizer):
     texts = []
     for spaces in (True, False):
-        out = _generate(client, text="The quick", sampling_params={"max_new_tokens": 3, "temperature": 0, "skip_special_tokens": False, "spaces_between_special_tokens": spaces, "logit_bias": {"1": 100}})
+        out = _generate(tiny_client, text="The quick", sampling_params={"max_new_tokens": 3, "temperature": 0, "skip_special_tokens": False, "spaces_between_special_tokens": spaces, "logit_bias": {"1": 100}})
         assert out["output_ids"] == [1, 1, 1]
         texts.append(out["text"])
     # measured: fast tokenizers decode special tokens the same either way (no spaces added)
     assert texts == [tokenizer.decode([1, 1, 1], skip_special_tokens=False)] * 2 == ["<|im_start|>" * 3] * 2
-    _refused(client, {"spaces_between_special_tokens": "yes"}, "spaces_between_special_tokens")
+    _refused(tiny_client, {"spaces_between_special_tokens": "yes"}, "spaces_between_special_tokens")
 
 
 @pytest.mark.parametrize("name, neutral, other", [("beam_width", 1, 4), ("structural_tag", "", '{"type": "x"}'), ("custom_params", {}, {"k": 1}), ("watermark", {"enabled": False}, {"enabled": True})])
-def test_unsupported_parameters_take_only_their_neutral_value(client, name, neutral, other):
+def test_unsupported_parameters_take_only_their_neutral_value(tiny_client, name, neutral, other):
     for value in (None, neutral):
-        _generate(client, text="x", sampling_params={"max_new_tokens": 1, name: value})
-    assert "not supported" in _refused(client, {name: other}, name)
+        _generate(tiny_client, text="x", sampling_params={"max_new_tokens": 1, name: value})
+    assert "not supported" in _refused(tiny_client, {name: other}, name)
 
 
 # ------------------------------------------------------------------ routes
-def test_server_info_is_get_server_info(client):
-    new, old = client.get("/server_info"), client.get("/get_server_info")
+def test_server_info_is_get_server_info(tiny_client):
+    new, old = tiny_client.get("/server_info"), tiny_client.get("/get_server_info")
     assert new.status_code == old.status_code == 200
     assert set(new.json()) == set(old.json()) and new.json()["model_path"] == old.json()["model_path"]
 
 
-def test_concate_and_append_request_validates_and_changes_nothing(client):
-    r = client.post("/concate_and_append_request", json={"src_rids": ["a", "b"], "dst_rid": "c"})
+def test_concate_and_append_request_validates_and_changes_nothing(tiny_client):
+    r = tiny_client.post("/concate_and_append_request", json={"src_rids": ["a", "b"], "dst_rid": "c"})
     assert r.status_code == 200 and r.json()["success"] is True and r.json()["kv_moved_tokens"] == 0
     for body, field in (({"dst_rid": "c"}, "src_rids"), ({"src_rids": [], "dst_rid": "c"}, "src_rids"), ({"src_rids": ["a", "a"], "dst_rid": "c"}, "src_rids"), ({"src_rids": ["a"]}, "dst_rid"), ({"src_rids": ["a"], "dst_rid": "a"}, "dst_rid"), ({"src_rids": ["a"], "dst_rid": "c", "extra": 1}, "extra")):
-        r = client.post("/concate_and_append_request", json=body)
+        r = tiny_client.post("/concate_and_append_request", json=body)
         assert r.status_code == 400 and r.json()["param"] == field, (body, r.text)
-    stats = client.get("/server_info").json()["stats"]
+    stats = tiny_client.get("/server_info").json()["stats"]
     assert stats["kv_invariant_holds"] and stats["num_running"] == 0
 
 
@@ -227,7 +215,7 @@ def test_engine_generate_n_stop_regex_and_neutral_values(engine):
 
 
 # ------------------------------------------------------------------ SGLang's own client
-def test_sglang_runtime_endpoint_runs_programs_against_radixlm_serve(server):
+def test_sglang_runtime_endpoint_runs_programs_against_radixlm_serve(tiny_server):
     if not (CLIENT_DIR / "sglang").is_dir():
         reason = f"SGLang's client is not installed in {CLIENT_DIR} (make setup installs it)"
         if os.environ.get("CI") == "true":
@@ -236,7 +224,7 @@ def test_sglang_runtime_endpoint_runs_programs_against_radixlm_serve(server):
     program = Path(__file__).with_name("sglang_client_program.py")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(CLIENT_DIR)
-    proc = subprocess.run([sys.executable, "-P", str(program), server.base_url], capture_output=True, text=True, timeout=300, env=env, cwd=str(CLIENT_DIR))
+    proc = subprocess.run([sys.executable, "-P", str(program), tiny_server.base_url], capture_output=True, text=True, timeout=300, env=env, cwd=str(CLIENT_DIR))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
