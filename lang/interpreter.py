@@ -332,16 +332,20 @@ class StreamExecutor:
             for key in _LOGPROB_KEYS:
                 if out["meta_info"].get(key) is not None:
                     logprobs.setdefault(key, []).extend(out["meta_info"][key])
-            with self.cond:
-                self.transcript.append(out["text"][shown:])
-                shown = len(out["text"])
-                if name is not None:
-                    self.variables[name] = out["text"]
-                self.cond.notify_all()
+            shown = self.show_streamed(name, out["text"], shown)
         if out is None:
             raise RuntimeError("the stream ended without output")
         _check_finished(out)
         return {**out, "meta_info": {**out["meta_info"], **logprobs}}
+
+    def show_streamed(self, name: str | None, text: str, shown: int) -> int:
+        """Append what a stream's text (so far) adds past ``shown`` and set ``name`` to it; returns its length."""
+        with self.cond:
+            self.transcript.append(text[shown:])
+            if name is not None:
+                self.variables[name] = text
+            self.cond.notify_all()
+        return len(text)
 
     def _gen_call(self, g: ir.Gen) -> None:
         run_level = {k: v for k, v in self.defaults.sampling_params.items() if k not in ("stop", "stop_regex", "n")}  # a run's stops must not cut the call, nor its n split it

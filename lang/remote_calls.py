@@ -136,14 +136,9 @@ class ApiExecution:
                 self.ex._set_var(g.name, outs[0]["text"], outs[0]["meta_info"])
 
     def _stream(self, name: str | None, messages: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
-        ex, shown, out = self.ex, 0, None
+        shown, out = 0, None
         for out in self.backend.request_stream(messages, params, chat=True):
-            with ex.cond:
-                ex.transcript.append(out["text"][shown:])
-                shown = len(out["text"])
-                if name is not None:
-                    ex.variables[name] = out["text"]
-                ex.cond.notify_all()
+            shown = self.ex.show_streamed(name, out["text"], shown)
         return out
 
     def _store(self, name: str | None, text: str, meta: dict[str, Any]) -> None:
