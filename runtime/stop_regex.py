@@ -1,10 +1,13 @@
 """Stop regexes: validating SGLang's ``stop_regex`` patterns and finding them in growing text.
 
-Matching uses Python's ``re`` (SGLang's semantics). A request's text only grows, and every
-earlier text was already searched, so a new match must reach into the newest characters: each
-search starts that pattern's longest possible span (lookarounds included) before them, or at 0
-when the pattern's span is unbounded. Streams hold back the tail that could still become a match
-(a partial match, found with the ``regex`` package), so a stream never shows text a stop trims.
+Patterns are Python regular expressions (SGLang's semantics), matched with the ``regex``
+package, which reads ``re``'s syntax and takes a time limit: a search runs on the engine thread,
+and a pathological pattern (``(a+)+b`` takes ``re`` seconds on 24 characters) must not stall
+everyone's step, so a search over SEARCH_TIMEOUT_S fails its own request only. A request's text
+only grows, and every earlier text was already searched, so a new match must reach into the
+newest characters: each search starts that pattern's longest possible span (lookarounds
+included) before them, or at 0 when the pattern's span is unbounded. Streams hold back the tail
+that could still become a match (a partial match), so a stream never shows text a stop trims.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import regex
 
 MAX_STOP_REGEX_COUNT = 32  # SGLang's bounds
 MAX_STOP_REGEX_BYTES = 256
+SEARCH_TIMEOUT_S = 0.05  # one search of one pattern over one request's text
 
 
 def validate_stop_regex(value: object) -> list[str]:
@@ -35,8 +39,9 @@ def validate_stop_regex(value: object) -> list[str]:
         if size > MAX_STOP_REGEX_BYTES:
             raise ValueError(f"stop_regex pattern is {size} bytes, over the {MAX_STOP_REGEX_BYTES}-byte limit")
         try:
+            re.compile(p)  # the syntax SGLang takes
             compiled = _compile(p)
-        except (re.error, RecursionError, OverflowError) as exc:
+        except (re.error, regex.error, RecursionError, OverflowError) as exc:
             raise ValueError(f"stop_regex {p!r} is not a valid regular expression: {exc}") from None
         if compiled.search("") is not None:
             raise ValueError(f"stop_regex {p!r} matches the empty string, so it would stop at once")
@@ -44,16 +49,16 @@ def validate_stop_regex(value: object) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _compile(pattern: str) -> re.Pattern:
-    return re.compile(pattern)
+def _compile(pattern: str) -> regex.Pattern:
+    return regex.compile(pattern)
 
 
-@functools.lru_cache(maxsize=1024)
-def _compile_partial(pattern: str) -> regex.Pattern | None:
+def _search(pattern: str, text: str, start: int, partial: bool = False) -> regex.Match | None:
+    """Search with the time limit; RuntimeError naming stop_regex when a search runs over it."""
     try:
-        return regex.compile(pattern)
-    except Exception:  # a pattern ``re`` takes and ``regex`` does not: no hold-back for it
-        return None
+        return _compile(pattern).search(text, start, partial=partial, timeout=SEARCH_TIMEOUT_S)
+    except TimeoutError:
+        raise RuntimeError(f"stop_regex {pattern!r} took over {SEARCH_TIMEOUT_S * 1000:g} ms to search the output (catastrophic backtracking?)") from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -107,7 +112,7 @@ def find_stop_regex(text: str, new_chars: int, patterns: list[str]) -> tuple[int
     """The earliest match ``(start, end, pattern)`` that reaches into the last ``new_chars``."""
     best: tuple[int, int, str] | None = None
     for p in patterns:
-        m = _compile(p).search(text, _search_from(p, len(text), new_chars))
+        m = _search(p, text, _search_from(p, len(text), new_chars))
         if m is not None and (best is None or m.start() < best[0]):
             best = (m.start(), m.end(), p)
     return best
@@ -117,11 +122,7 @@ def partial_stop_regex_len(text: str, patterns: list[str]) -> int:
     """Length of the longest end of ``text`` that could still grow into a match of a pattern."""
     hold = 0
     for p in patterns:
-        compiled = _compile_partial(p)
-        if compiled is None:
-            continue
-        start = _search_from(p, len(text), 0)
-        m = compiled.search(text, start, partial=True)
+        m = _search(p, text, _search_from(p, len(text), 0), partial=True)
         if m is not None and m.partial:
             hold = max(hold, len(text) - m.start())
     return hold

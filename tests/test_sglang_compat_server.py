@@ -214,6 +214,18 @@ def test_engine_generate_n_stop_regex_and_neutral_values(engine):
     engine.check_accounting()
 
 
+def test_a_pathological_stop_regex_fails_its_own_request_and_the_engine_goes_on(engine):
+    # the output is forced to 40 "a"s: searching "(a|aa)+b" over them backtracks exponentially
+    # (Python's re takes seconds at 24 characters); the search's time limit ends that request only
+    bad = {"max_new_tokens": 40, "temperature": 0, "regex": "a{40}", "stop_regex": "(a|aa)+b"}
+    good = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    outs = engine.generate(["Write:", "The quick"], [bad, good])
+    finish = outs[0]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and "stop_regex" in finish["message"] and "ms" in finish["message"]
+    assert outs[1]["meta_info"]["finish_reason"]["type"] == "length" and len(outs[1]["output_ids"]) == 8
+    engine.check_accounting()
+
+
 # ------------------------------------------------------------------ SGLang's own client
 def test_sglang_runtime_endpoint_runs_programs_against_radixlm_serve(tiny_server):
     if not (CLIENT_DIR / "sglang").is_dir():
