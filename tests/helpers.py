@@ -190,7 +190,11 @@ class ServerProcess:
         cmd = [str(Path(sys.executable).parent / "radixlm"), "serve", "--model-path", model_path, "--port", str(self.port), *extra]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"radixlm-server-{self.port}.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RADIXLM_NUM_THREADS": "1", **(env or {})})
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except BaseException:  # a server that never came up must not outlive the test
+            self.stop()
+            raise
 
     def wait_healthy(self, timeout: float = 180.0) -> None:
         """Block until /health answers 200 (or fail with the server's log)."""

@@ -54,7 +54,9 @@ def test_dashboard_state_shows_running_requests_with_hit_progress_and_constraint
         with httpx.Client(base_url=tiny_server.base_url, timeout=300) as c:
             c.post("/generate", json={"text": "Question: what is two plus two? Answer", "sampling_params": sp})
 
-    threads = [threading.Thread(target=send, args=(sp,)) for sp in (LONG, {**LONG, "regex": "[a-z ]{1,400}"})]
+    # the regex cannot end before 1000 characters, so the grammar never ends the request early
+    # (with "{1,400}" the random model may pick EOS after a few tokens and finish before a poll)
+    threads = [threading.Thread(target=send, args=(sp,)) for sp in (LONG, {**LONG, "regex": "[a-z ]{1000}"})]
     for t in threads:
         t.start()
     try:
