@@ -116,8 +116,13 @@ class KVManager:
         state.kv_len = end
 
     def truncate(self, state: KVState, length: int) -> None:
-        """Forget computed KV from position ``length`` on (rejected drafts); slots stay reserved."""
+        """Forget computed KV from position ``length`` on (rejected drafts) and give the whole
+        pages past it back to the allocator at once (never tree-owned ones)."""
         state.kv_len = max(min(state.kv_len, length), state.cached_len)
+        keep = -(-max(length, state.kv_len) // self.page_size) * self.page_size
+        if keep < state.alloc_len:
+            self.allocator.free_slots(self.table.read(state.row, keep, state.alloc_len).clone())
+            state.alloc_len = keep
 
     def slots(self, state: KVState, start: int, end: int) -> torch.Tensor:
         """The slots of positions ``start .. end`` of a request."""

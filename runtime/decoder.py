@@ -8,6 +8,8 @@ Jump-forward with verification: when the grammar forces a string, its tokens are
 *drafts* and computed in the next pass together with the token before them; the model then
 picks a token at every draft position under the grammar mask, exactly as plain decoding would,
 and a draft survives only if it is what was picked (speculative acceptance for sampled rows).
+Speculative drafts (``runtime/speculative``: prediction, n-gram, draft model) take the same
+path; a draft model's proposal distribution (``req.draft_probs``) goes to ``accept_draft``.
 Greedy output is therefore identical with and without jump-forward; each pass still yields one
 token at least, and one per accepted draft more.
 
@@ -197,13 +199,15 @@ class Decoder:
         """Pick at each draft position in turn; stop at the first pick that differs from the draft."""
         drafts = req.draft_ids
         pick = _Picked(req)
+        accepted = 0
         for i in range(len(drafts) + 1):
             srow = self._sampling_row(req, req.output_ids + pick.tokens)
             mask = self._grammar_row_mask(req)
             if mask is not None:
                 mask = mask.to(self.device)
             if i < len(drafts):
-                res = accept_draft(logits[i], srow, drafts[i], self.generator, mask)
+                extra = {} if req.draft_probs is None else {"draft_probs": req.draft_probs[i]}
+                res = accept_draft(logits[i], srow, drafts[i], self.generator, mask, **extra)
             else:
                 res = sample(logits[i : i + 1], [srow], self.generator, None if mask is None else mask[None])
             token = res.token_ids[0]
@@ -212,27 +216,40 @@ class Decoder:
             pick.add(token, res.logprobs[0], res.top_logprobs[0])
             if i == len(drafts) or token != drafts[i]:
                 break
-            req.accepted_draft_tokens += 1
+            accepted += 1
             if req.grammar is not None and req.grammar.is_terminated():
                 break  # the drafts completed the grammar: nothing more to pick
             if self._is_stop_token(req, token, len(req.output_ids) + len(pick.tokens)):
                 break  # a stop token among the drafts ends the request there
-        req.draft_ids = []
+        self._count_verified(req, len(drafts), accepted)
+        req.clear_drafts()
         return pick
+
+    @staticmethod
+    def _count_verified(req: Req, drafted: int, accepted: int) -> None:
+        """Add one verify pass to the request's counters (speculative or jump-forward)."""
+        if not req.speculating:
+            req.accepted_draft_tokens += accepted
+            return
+        req.spec_verify_passes += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += accepted
+        if req.draft_source == "prediction":
+            req.prediction_draft_tokens += drafted
+            req.prediction_accepted_tokens += accepted
 
     # ---------------------------------------------------------- bookkeeping
     def _append(self, pick: _Picked, now: float) -> FinishReason | None:
         """Append picked tokens; returns a finish reason, or None (and proposes new drafts)."""
         req = pick.req
-        req.draft_ids = []
+        req.clear_drafts()
         if req.first_token_time is None:
             req.first_token_time = now
         keep = max(req.params.max_new_tokens - len(req.output_ids), 0)
         del pick.tokens[keep:], pick.logprobs[keep:], pick.tops[keep:]
-        req.output_ids.extend(pick.tokens)
-        if req.return_logprob:
-            req.output_logprobs.extend(pick.logprobs)
-            req.output_top_logprobs.extend(pick.tops)
+        stop = self._extend(req, pick)
+        if stop is not None:
+            return stop
         if pick.refused is not None:
             self.outputs.update_text(req, final=True)
             return FinishReason("abort", message=f"constraint failed: {pick.refused}")
@@ -246,6 +263,28 @@ class Decoder:
             req.sink(self.outputs.build(req, finished=False))
         return reason
 
+    def _extend(self, req: Req, pick: _Picked) -> FinishReason | None:
+        """Append the picked tokens; with several and stop strings, one at a time, ending at the
+        first token that completes a stop (as decoding them one per pass would)."""
+        p = req.params
+        several = len(pick.tokens) > 1 and (p.stop or p.stop_regex)
+        for i in range(len(pick.tokens)) if several else ():
+            req.output_ids.append(pick.tokens[i])
+            if req.return_logprob:
+                req.output_logprobs.append(pick.logprobs[i])
+                req.output_top_logprobs.append(pick.tops[i])
+            if i == len(pick.tokens) - 1:
+                return None  # the last token is checked by _check_finish, as usual
+            stop = self.outputs.update_text(req, final=False)
+            if stop is not None and len(req.output_ids) >= p.min_new_tokens:
+                return FinishReason("stop", matched=stop)
+        if not several:
+            req.output_ids.extend(pick.tokens)
+            if req.return_logprob:
+                req.output_logprobs.extend(pick.logprobs)
+                req.output_top_logprobs.extend(pick.tops)
+        return None
+
     def _is_stop_token(self, req: Req, token: int, n_out: int) -> bool:
         """True when ``token``, as output token number ``n_out``, ends the request."""
         p = req.params
@@ -256,7 +295,10 @@ class Decoder:
     def _propose_drafts(self, req: Req) -> None:
         # The verifying pass yields one token past the drafts: leave room for it.
         budget = min(req.remaining_tokens() - 1, self.context_len - 1 - req.seq_len)
+        req.clear_drafts()
         req.draft_ids = draft_tokens(self.tokenizer, req.grammar.forced_text(), budget)
+        if req.draft_ids:
+            req.draft_source = "jump_forward"
 
     def propose_initial_drafts(self, req: Req) -> None:
         """Drafts for text the grammar forces before anything is generated."""

@@ -36,6 +36,7 @@ from radixlm.runtime.request import FinishReason, Req, ReqOutput
 from radixlm.runtime.sampling_params import SamplingParams, per_sample_params
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.speculative.prediction import prediction_text
 from radixlm.runtime.threads import configure_threads
 from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
 
@@ -238,6 +239,7 @@ class Engine:
         prompt_cache_key: str | None = None,
         cache_ttl: float | None = None,
         retention: list[tuple[int, float]] | None = None,
+        prediction: str | dict[str, Any] | None = None,
     ) -> Req:
         """Validate one request and build its Req (raises ValueError naming the bad argument).
 
@@ -246,6 +248,9 @@ class Engine:
         ``return_cache_info`` adds the cache explanation to meta_info; ``program`` and
         ``prompt_cache_key`` label the prefixes this request computes; ``cache_ttl`` (seconds) asks
         eviction to spare the whole prompt that long, ``retention`` the given (length, ttl) prefixes.
+        ``prediction``: the output the client expects (a string, or OpenAI's ``{"type": "content",
+        "content": ...}``); its tokens are proposed as speculative drafts, even when no
+        ``speculative_algorithm`` is set. The output is the same with or without it.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -280,6 +285,7 @@ class Engine:
             raise ValueError("cache_salt must be a non-empty string")
         if rid is not None and rid in self._in_flight:
             raise ValueError(f"rid {rid!r} is already in flight")
+        predicted = prediction_text(prediction)
         hints = check_cache_options(return_cache_info, program, prompt_cache_key, cache_ttl, retention, not self.args.disable_cache_explain)
         if cache_ttl is not None:
             hints.append((len(input_ids), float(cache_ttl)))
@@ -299,6 +305,8 @@ class Engine:
             return_cache_info=return_cache_info,
             retention=hints,
         )
+        if predicted:
+            req.prediction_ids = self.tokenizer(predicted[: self._max_text_chars], add_special_tokens=False).input_ids[: self.context_len]
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
@@ -369,15 +377,17 @@ class Engine:
         program: str | None = None,
         prompt_cache_key: str | None = None,
         cache_ttl: float | None = None,
+        prediction: str | dict[str, Any] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts.
 
         With ``sampling_params["n"] = k > 1`` a prompt gets k samples sharing its prompt's KV
         (sample j seeded ``seed + j``): a list of k dicts for one prompt, m*k for m prompts,
-        prompt-major (prompt i's samples at i*k .. i*k+k-1).
+        prompt-major (prompt i's samples at i*k .. i*k+k-1). ``prediction`` (the expected output,
+        see ``make_request``) applies to every prompt of a batch.
         """
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction)
         if stream:
             if batch or len(items) > 1:
                 raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
@@ -438,10 +448,11 @@ class Engine:
         program: str | None = None,
         prompt_cache_key: str | None = None,
         cache_ttl: float | None = None,
+        prediction: str | dict[str, Any] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction)
         if stream and (batch or len(items) > 1):
             raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
         loop = asyncio.get_running_loop()
@@ -517,6 +528,7 @@ class Engine:
                 "total_retracted": s.total_retracted,
                 "retention_hits": tree.retention_hits,
                 "evictions_despite_hint": tree.evicted_despite_hint,
+                **s.speculator.stats(),
             }
 
         return self._call(stats)

@@ -69,6 +69,14 @@ class OutputBuilder:
         }
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival
+        if req.spec_verify_passes:
+            meta["spec_verify_passes"] = req.spec_verify_passes
+            meta["spec_draft_tokens"] = req.spec_draft_tokens
+            meta["spec_accepted_tokens"] = req.spec_accepted_tokens
+            meta["spec_accept_length"] = req.spec_accepted_tokens / req.spec_verify_passes
+        if req.prediction_ids:
+            meta["accepted_prediction_tokens"] = req.prediction_accepted_tokens
+            meta["rejected_prediction_tokens"] = req.prediction_draft_tokens - req.prediction_accepted_tokens
         if req.return_cache_info and req.cache_info is not None:
             meta["cache_info"] = req.cache_info
         offsets = (0, 0)

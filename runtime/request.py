@@ -97,8 +97,16 @@ class Req:
     first_token_time: float | None = None
     abort_requested: bool = False
     grammar: Any = None  # the constraint's Matcher, if any
-    draft_ids: list[int] = field(default_factory=list)  # forced text proposed by jump-forward, unverified
-    accepted_draft_tokens: int = 0  # output tokens that came from verified drafts
+    draft_ids: list[int] = field(default_factory=list)  # proposed tokens (forced text or speculation), unverified
+    draft_probs: torch.Tensor | None = None  # float32 [len(draft_ids), V]: a draft model's q; None = deterministic
+    draft_source: str = ""  # who proposed draft_ids: "", "jump_forward", "ngram", "prediction" or "draft"
+    accepted_draft_tokens: int = 0  # output tokens that came from verified jump-forward drafts
+    prediction_ids: list[int] = field(default_factory=list)  # tokens of the client's predicted output (OpenAI prediction)
+    spec_verify_passes: int = 0  # passes that verified speculative drafts (not jump-forward)
+    spec_draft_tokens: int = 0  # speculative draft tokens proposed and verified
+    spec_accepted_tokens: int = 0  # speculative draft tokens accepted
+    prediction_draft_tokens: int = 0  # of spec_draft_tokens, those taken from the prediction
+    prediction_accepted_tokens: int = 0  # of spec_accepted_tokens, those taken from the prediction
     cache_salt: str | None = None  # requests share cached KV only with requests of the same salt
     program: str | None = None  # the DSL program (or other origin label) this request came from
     prompt_cache_key: str | None = None  # groups a session's requests (recorded with the origin)
@@ -145,6 +153,17 @@ class Req:
         if self.needs_prompt_logprobs():
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit
+
+    @property
+    def speculating(self) -> bool:
+        """True while ``draft_ids`` are speculative (not text a grammar forces)."""
+        return bool(self.draft_ids) and self.draft_source not in ("", "jump_forward")
+
+    def clear_drafts(self) -> None:
+        """Drop the unverified drafts (and their source and probabilities)."""
+        self.draft_ids = []
+        self.draft_probs = None
+        self.draft_source = ""
 
     def remaining_tokens(self) -> int:
         """Upper bound on the tokens this request may still generate."""

@@ -37,6 +37,7 @@ from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req, ReqOutput
 from radixlm.runtime.schedule_batch import Row, build_forward_batch
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.speculative.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Scheduler:
         self.explainer = None if args.disable_cache_explain else CacheExplainer(tokenizer)
         self.finished_output_tokens = 0  # output tokens of ended requests (for tokens/s)
         self.prefill_tokens = 0  # prompt tokens computed, all steps
+        self.speculator = Speculator(args, runner, tokenizer)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -154,6 +156,10 @@ class Scheduler:
     def _decode_rows(self) -> list[Row]:
         decoding = [r for r in self.running if r.generating]
         need = sum(self.kv.pages_for(r.kv, r.seq_len) for r in decoding)
+        if need > self.kv.available():  # speculative drafts are the first thing to give up
+            for r in decoding:
+                self.speculator.drop_drafts(r)
+            need = sum(self.kv.pages_for(r.kv, r.seq_len) for r in decoding)
         while need > self.kv.available() and decoding:
             victim = max(decoding, key=lambda r: r.arrival)
             decoding.remove(victim)
@@ -173,6 +179,8 @@ class Scheduler:
             self._finish(req, FinishReason("abort", message="the KV pool cannot hold this request"))
             return
         self.running.remove(req)
+        self.speculator.drop_drafts(req)
+        self.speculator.release(req)
         self.kv.release(req.kv, req.cache_ids)
         req.kv = None
         self.waiting.insert(0, req)
@@ -308,7 +316,7 @@ class Scheduler:
                 if not row.sample and row.start + row.length == req.seq_len:  # max_new_tokens == 0
                     self.running.remove(req)
                     self._finish(req, FinishReason("length"))
-                elif row.length > 1:
+                elif row.length > 1 and row.start < len(req.input_ids):
                     self.kv.cache_prefix(req.kv, req.cache_ids)  # share the prompt while it runs
             except Exception as exc:
                 logger.exception("request %s failed after its forward pass", req.rid)
@@ -348,14 +356,31 @@ class Scheduler:
             self._finish(req, reason)
         for row in rows:
             req = row.req
-            if req.finish is None and req.kv is not None:  # KV computed for rejected drafts is stale
+            if req.finish is None and req.kv is not None:  # KV of rejected drafts: stale, its pages freed
                 self.kv.truncate(req.kv, req.seq_len - 1 - len(req.draft_ids))
+        self._speculate()
         return rows
+
+    def _speculate(self) -> None:
+        """Give the decoding requests without drafts their next speculative drafts (if gated in)."""
+        decoding = [r for r in self.running if r.finish is None and r.generating and r.params.max_new_tokens > 0]
+        ready = [r for r in decoding if not r.draft_ids]
+        try:
+            self.speculator.step(ready, len(decoding))
+        except Exception:  # speculation is an optimisation: decode these rows plainly
+            logger.exception("proposing speculative drafts failed")
+            for req in ready:
+                self.speculator.drop_drafts(req)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """End a request: free (and, unless it failed, cache) its KV and send its final output."""
         req.finish = reason
         self.finished_output_tokens += len(req.output_ids)
+        self.speculator.drop_drafts(req)
+        try:
+            self.speculator.release(req)
+        except Exception:
+            logger.exception("releasing the speculation state of request %s failed", req.rid)
         if req.kv is not None:
             state, req.kv = req.kv, None
             try:

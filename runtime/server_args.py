@@ -39,6 +39,10 @@ class ServerArgs:
     grammar_backend: str = _opt("llguidance", "Constrained-decoding backend: llguidance or outlines.", choices=["llguidance", "outlines"])
     grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
     disable_jump_forward: bool = _opt(False, "Decode forced grammar text token by token instead of appending it at once.")
+    speculative_algorithm: str | None = _opt(None, "Speculative decoding: ngram (propose the continuation of the latest n-gram match in the request's own prompt and output, in its OpenAI prediction, and in recent outputs of all requests; no extra model) or draft (a smaller model proposes; see --speculative-draft-model-path). Each request speculates only while its measured acceptance pays and the running batch is small. Greedy output is unchanged; sampling keeps the model's distribution. Default: off (a request with an OpenAI prediction still speculates from it).", choices=[None, "ngram", "draft"])
+    speculative_num_draft_tokens: int = _opt(4, "Most tokens proposed per request per step (1-16); each is one more position in the verifying pass.")
+    speculative_draft_model_path: str | None = _opt(None, "With --speculative-algorithm draft: folder or .gguf of a smaller model with the same tokenizer; default: the target's own weights quantized (self-speculation).")
+    speculative_draft_quantization: str | None = _opt(None, "With --speculative-algorithm draft: quantize the draft model's weights to int8 or int4 (default for a self-draft: int4).", choices=[None, "int8", "int4"])
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
     debug_fault_injection: bool = _opt(False, "Test only: a request whose rid starts with fault-<stage>- fails at that stage (admit, grammar, sample, forward, output, nan).")
@@ -80,10 +84,20 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be at least page_size ({self.page_size})")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        self._validate_speculative()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+
+    def _validate_speculative(self) -> None:
+        k = self.speculative_num_draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_num_draft_tokens must be an integer in [1, 16], got {k!r}")
+        if self.speculative_algorithm != "draft":
+            for name in ("speculative_draft_model_path", "speculative_draft_quantization"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies only with speculative_algorithm='draft' (got speculative_algorithm={self.speculative_algorithm!r})")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -1,0 +1,144 @@
+"""Speculator: after each pass, gives the decoding requests that the gate picks their next drafts.
+
+The scheduler calls ``step`` once per forward pass with the requests that still decode and have
+no drafts (a grammar's forced text keeps priority). Drafts come from the first source that has
+some for a row: the request's OpenAI prediction, then the configured algorithm (n-gram prompt
+lookup, or a draft model). A request with a prediction speculates even when no algorithm is
+configured (prediction and prompt lookup only). The decoder verifies the drafts in the next
+pass and counts what it accepted; the next ``step`` (or ``release``) feeds that to the gate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixlm.runtime.request import Req
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.speculative.gate import Gate, GateConfig
+from radixlm.runtime.speculative.ngram import NgramProposer, PredictionProposer
+from radixlm.runtime.speculative.proposal import Proposal
+
+
+@dataclass
+class _Pending:
+    """A request's counters when it was last given drafts."""
+
+    passes: int
+    drafts: int
+    accepted: int
+
+
+class Speculator:
+    """Chooses, proposes and accounts speculative drafts for the running requests."""
+
+    def __init__(self, args: ServerArgs, runner, tokenizer, gate: Gate | None = None) -> None:
+        self.algorithm = args.speculative_algorithm
+        self.num_draft_tokens = args.speculative_num_draft_tokens
+        self.context_len = runner.context_len
+        self.gate = gate or Gate(GateConfig())
+        self.prediction = PredictionProposer()
+        self.ngram = NgramProposer()
+        self.model = None
+        if self.algorithm == "draft":
+            from radixlm.runtime.speculative.draft_model import DraftModelProposer
+
+            self.model = DraftModelProposer(args, runner, tokenizer)
+        self._pending: dict[Req, _Pending] = {}
+        self.verify_passes = 0  # engine-wide totals of the verified speculative drafts
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+
+    # ------------------------------------------------------------------ step
+    def step(self, reqs: list[Req], batch: int) -> None:
+        """Settle last step's drafts and give the gated rows of ``reqs`` new drafts.
+
+        ``batch`` is the number of decoding requests (the gate turns off above its threshold).
+        """
+        for req in reqs:
+            if req in self._pending:
+                self._settle(req)
+        if self.algorithm is None and not any(r.prediction_ids for r in reqs):
+            return
+        rows, sizes, own = [], [], []
+        for req in reqs:
+            if self.algorithm is None and not req.prediction_ids:
+                continue
+            budget = min(self.num_draft_tokens, req.remaining_tokens() - 1, self.context_len - 1 - req.seq_len)
+            own_only = req.generator is not None and not req.params.greedy
+            k = self.gate.plan(req, budget, batch, own_only)
+            if k > 0:
+                rows.append(req)
+                sizes.append(k)
+                own.append(own_only)
+        if rows:
+            self._propose(rows, sizes, own)
+
+    def _propose(self, rows: list[Req], sizes: list[int], own: list[bool]) -> None:
+        left = list(range(len(rows)))
+        left = self._apply(rows, left, self.prediction.propose([rows[i] for i in left], [sizes[i] for i in left]), "prediction")
+        if not left:
+            return
+        if self.model is not None:
+            proposals = self.model.propose([rows[i] for i in left], [sizes[i] for i in left])
+            self._apply(rows, left, proposals, "draft")
+        else:
+            proposals = self.ngram.propose([rows[i] for i in left], [sizes[i] for i in left], [own[i] for i in left])
+            self._apply(rows, left, proposals, "ngram")
+
+    def _apply(self, rows: list[Req], idx: list[int], proposals: list[Proposal], source: str) -> list[int]:
+        """Set the non-empty proposals as drafts; returns the indices still without drafts."""
+        left = []
+        for i, prop in zip(idx, proposals):
+            req = rows[i]
+            if not prop.tokens:
+                left.append(i)
+                continue
+            req.draft_ids = list(prop.tokens)
+            req.draft_probs = prop.probs
+            req.draft_source = source
+            self._pending[req] = _Pending(req.spec_verify_passes, req.spec_draft_tokens, req.spec_accepted_tokens)
+        return left
+
+    def _settle(self, req: Req) -> None:
+        """Feed the request's verify outcome since it was last given drafts to the gate."""
+        was = self._pending.pop(req)
+        passes = req.spec_verify_passes - was.passes
+        drafts = req.spec_draft_tokens - was.drafts
+        accepted = req.spec_accepted_tokens - was.accepted
+        if passes:
+            self.gate.record(req, drafts, accepted)
+            self.verify_passes += passes
+            self.draft_tokens += drafts
+            self.accepted_tokens += accepted
+
+    # --------------------------------------------------------------- lifecycle
+    def drop_drafts(self, req: Req) -> None:
+        """Take back a request's unverified speculative drafts (memory pressure, retraction)."""
+        if req.speculating:
+            req.clear_drafts()
+
+    def release(self, req: Req) -> None:
+        """The request ended or was retracted: settle its last drafts and drop its state.
+
+        A retracted request keeps its gate history (it decides as it would have without the
+        retraction); its proposers rebuild their indexes from its tokens when it runs again.
+        """
+        if req in self._pending:
+            self._settle(req)
+        if req.finish is not None:
+            self.gate.forget(req)
+        self.prediction.release(req)
+        self.ngram.release(req)
+        if self.model is not None:
+            self.model.release(req)
+
+    def stats(self) -> dict[str, object]:
+        """Engine-wide speculation counters (verified drafts of settled passes)."""
+        return {
+            "speculative_algorithm": self.algorithm,
+            "spec_verify_passes": self.verify_passes,
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_accept_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "spec_accept_length": self.accepted_tokens / self.verify_passes if self.verify_passes else None,
+        }
