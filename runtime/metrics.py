@@ -28,6 +28,9 @@ class ServerMetrics:
         self.e2e = Histogram("radixlm_e2e_request_latency_seconds", "End-to-end request latency.", buckets=_LATENCY_BUCKETS, registry=r)
         self.retention_hits = Counter("radixlm_cache_retention_hits", "Requests that reused a prefix while a retention hint protected it.", registry=r)
         self.hint_evictions = Counter("radixlm_cache_evictions_despite_hint", "Cache leaves evicted under memory pressure despite a retention hint.", registry=r)
+        self.spec_verify_passes = Counter("radixlm_spec_verify_passes", "Forward passes that verified a request's speculative drafts.", registry=r)
+        self.spec_draft_tokens = Counter("radixlm_spec_draft_tokens", "Speculative draft tokens verified.", registry=r)
+        self.spec_accepted_tokens = Counter("radixlm_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r)
         self._seen: dict[str, int] = {}  # engine counters already added to the Counters above
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
@@ -53,6 +56,8 @@ class ServerMetrics:
         self.hit_rate.set(stats["cache_hit_rate"])
         self._advance(self.retention_hits, "retention_hits", stats.get("retention_hits", 0))
         self._advance(self.hint_evictions, "evictions_despite_hint", stats.get("evictions_despite_hint", 0))
+        for name in ("spec_verify_passes", "spec_draft_tokens", "spec_accepted_tokens"):
+            self._advance(getattr(self, name), name, stats.get(name, 0))
         return generate_latest(self.registry)
 
     def _advance(self, counter: Counter, name: str, total: int) -> None:

@@ -67,6 +67,7 @@ class _Plan:
     prompt_cache_key: str | None = None
     return_cache_info: bool = False
     retention: list[tuple[int, float]] = field(default_factory=list)  # (prefix tokens, ttl) per cache_control
+    prediction: str | None = None  # the expected output (Predicted Outputs)
     id: str = field(default_factory=lambda: new_id("cmpl"))
 
 
@@ -136,7 +137,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         prompts.append(ids)
     texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     sampling = _sampling(state, body, body.max_tokens, max(len(x) for x in prompts))
-    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info)
+    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, prediction=_prediction(body))
 
 
 def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
@@ -183,7 +184,12 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), id=new_id("chatcmpl"))
+
+
+def _prediction(body) -> str | None:
+    """The predicted text of a request's ``prediction`` field, if any."""
+    return body.prediction.text() if body.prediction is not None else None
 
 
 def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[int], tools: list | None) -> list[tuple[int, float]]:
@@ -231,6 +237,7 @@ async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
                     return_cache_info=plan.return_cache_info,
                     prompt_cache_key=plan.prompt_cache_key,
                     retention=plan.retention,
+                    prediction=plan.prediction,
                 )
             except APIError as err:
                 raise _field_error(err, plan) from None
@@ -272,7 +279,16 @@ def _usage(plan: _Plan, outs: list[ReqOutput]) -> dict[str, Any]:
     prompt = sum(len(p) for p in plan.prompts)
     completion = sum(o.meta_info["completion_tokens"] for o in outs)
     cached = sum(o.meta_info["cached_tokens"] for o in outs[:: plan.n]) if outs else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    if plan.prediction is not None:
+        usage["completion_tokens_details"] = {name: sum(o.meta_info.get(name, 0) for o in outs) for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
+    passes = sum(o.meta_info.get("spec_verify_passes", 0) for o in outs)
+    if passes:  # speculation ran (extra fields, as meta_info names them)
+        usage["spec_verify_passes"] = passes
+        usage["spec_draft_tokens"] = sum(o.meta_info.get("spec_draft_tokens", 0) for o in outs)
+        usage["spec_accepted_tokens"] = sum(o.meta_info.get("spec_accepted_tokens", 0) for o in outs)
+        usage["spec_accept_length"] = usage["spec_accepted_tokens"] / passes
+    return usage
 
 
 def _finish_reason(plan: _Plan, out: ReqOutput, has_calls: bool) -> str | None:

@@ -33,6 +33,28 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ContentPart(BaseModel):
+    """A text part of a message's content or of a prediction (images are not supported)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's ``prediction`` (Predicted Outputs): the output the client expects."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        """The predicted text (parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 # ------------------------------------------------------------------ native
 class GenerateRequest(BaseModel):
     """SGLang's native ``/generate`` body."""
@@ -53,6 +75,7 @@ class GenerateRequest(BaseModel):
     program: Label | None = None  # origin label recorded on the prefixes this request computes
     prompt_cache_key: Label | None = None  # groups a session's requests
     cache_ttl: CacheTTL | None = None  # soft retention hint for the whole prompt, in seconds
+    prediction: str | Prediction | None = None  # expected output: proposed as speculative drafts
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -135,13 +158,6 @@ class ToolCall(_Lenient):
     function: ToolCallFunction
 
 
-class ContentPart(_Lenient):
-    """A text part of a message's content (images are not supported)."""
-
-    type: Literal["text"]
-    text: str
-
-
 class CacheControl(BaseModel):
     """A message's ``cache_control``: keep the prompt up to the end of this message cached (soft)."""
 
@@ -199,6 +215,7 @@ class _SamplingFields(_Lenient):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # share cached KV only within a salt
     prompt_cache_key: Label | None = None  # OpenAI's session grouping key (shown in cache explanations)
     return_cache_info: StrictBool = False  # each choice gains cache_info (via extra_body)
+    prediction: Prediction | None = None  # Predicted Outputs: proposed as speculative drafts
 
 
 class CompletionRequest(_SamplingFields):
