@@ -1,0 +1,28 @@
+"""Speculation on the embedded SmolLM2: greedy output unchanged, and a copying prompt accepts drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixlm import Engine
+
+RECORD = "name: Ada Lovelace; born: 10 December 1815; field: mathematics; known for: the first published computer program"
+COPY_PROMPT = (
+    "<|im_start|>user\nRepeat the following record exactly, then stop.\n"
+    f"{RECORD}<|im_end|>\n<|im_start|>assistant\n"
+)
+PROMPTS = [COPY_PROMPT, "The capital of France is", "def fibonacci(n):", "1, 1, 2, 3, 5, 8,"]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_output_is_identical_with_ngram_and_copying_accepts_drafts(smollm2_path):
+    params = {"max_new_tokens": 40, "temperature": 0}
+    with Engine(smollm2_path, max_total_tokens=4096, speculative_algorithm="ngram") as engine:
+        spec = engine.generate(PROMPTS, sampling_params=params)
+        engine.scheduler.speculator.algorithm = None  # the same engine without speculation
+        engine.flush_cache()
+        plain = engine.generate(PROMPTS, sampling_params=params)
+    for a, b in zip(plain, spec):
+        assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
+    copy = spec[0]["meta_info"]
+    assert copy["spec_accepted_tokens"] >= 10, copy  # a quarter of the output came from drafts
