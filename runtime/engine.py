@@ -584,12 +584,13 @@ class Engine:
             return False
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache; False (nothing done) while requests are in flight."""
+        """Empty the radix cache (and speculation's recent outputs); False (nothing done) while requests are in flight."""
 
         def flush() -> bool:
             if self.scheduler.has_work():
                 return False
             self.kv.flush()
+            self.scheduler.speculator.flush()  # recent outputs are cached text too
             return True
 
         return self._call(flush)

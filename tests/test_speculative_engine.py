@@ -7,6 +7,7 @@ import json
 import re
 
 import pytest
+from test_parity import SCENARIOS, _run_scenario, _tiny_prompts
 
 from helpers import Driver
 from radixlm import Engine, ServerArgs
@@ -14,7 +15,6 @@ from radixlm.runtime.engine import build_parts
 from radixlm.runtime.speculative import speculator as speculator_module
 from radixlm.runtime.speculative.gate import GateConfig
 from radixlm.runtime.speculative.proposal import Proposal
-from test_parity import SCENARIOS, _run_scenario, _tiny_prompts
 
 ALWAYS = dict(min_gain=0.0, position_cost=0.0, max_batch=10**6)  # speculate on every row, K tokens
 

@@ -14,7 +14,12 @@ from radixlm.runtime.request import FinishReason, Req
 from radixlm.runtime.sampler import SamplingRow, accept_draft
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.speculative.gate import Gate, GateConfig
-from radixlm.runtime.speculative.ngram import NgramIndex, NgramProposer, PredictionProposer, RecentOutputs
+from radixlm.runtime.speculative.ngram import (
+    NgramIndex,
+    NgramProposer,
+    PredictionProposer,
+    RecentOutputs,
+)
 from radixlm.runtime.speculative.prediction import prediction_text
 
 

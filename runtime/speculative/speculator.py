@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.gate import Gate, GateConfig
-from radixlm.runtime.speculative.ngram import NgramProposer, PredictionProposer
+from radixlm.runtime.speculative.ngram import NgramProposer, PredictionProposer, RecentOutputs
 from radixlm.runtime.speculative.proposal import Proposal
 
 
@@ -131,6 +131,10 @@ class Speculator:
         self.ngram.release(req)
         if self.model is not None:
             self.model.release(req)
+
+    def flush(self) -> None:
+        """Forget the recent outputs of all requests (with the radix cache's flush)."""
+        self.ngram.recent = RecentOutputs(max_n=self.ngram.max_n)
 
     def stats(self) -> dict[str, object]:
         """Engine-wide speculation counters (verified drafts of settled passes)."""
