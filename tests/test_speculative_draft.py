@@ -28,8 +28,9 @@ def _args(model: str, draft_path: str | None = None, draft_quant: str | None = N
     return args
 
 
-def _speculate(rt, proposer: DraftModelProposer, k: int, stats: dict | None = None):
-    """An ``on_step`` hook: give the decoding rows without drafts up to ``k`` drafts (as the Speculator does)."""
+def _speculate(rt, proposer: DraftModelProposer, k: int, stats: dict | None = None, pause: dict | None = None):
+    """An ``on_step`` hook: give the decoding rows without drafts up to ``k`` drafts (as the Speculator
+    does); a request in ``pause`` gets none for that many more steps (as when the gate says no)."""
     last: dict = {}
 
     def hook(_step: int) -> None:
@@ -43,6 +44,10 @@ def _speculate(rt, proposer: DraftModelProposer, k: int, stats: dict | None = No
             if req.finish is not None:
                 proposer.release(req)
         ready = [r for r in sched.running if r.finish is None and r.generating and not r.draft_ids and r.params.max_new_tokens > 0]
+        if pause:
+            ready = [r for r in ready if pause.get(r, 0) <= 0]
+            for r in pause:
+                pause[r] -= 1
         sizes = [min(k, r.remaining_tokens() - 1, rt.runner.context_len - 1 - r.seq_len) for r in ready]
         for req, prop in zip(ready, proposer.propose(ready, sizes)):
             if prop.tokens:
@@ -151,6 +156,63 @@ def test_separate_draft_with_the_targets_weights_keeps_every_draft(target):
     stats: dict = {}
     assert _generate(target, PROMPTS, proposer, k=4, stats=stats) == _generate(target, PROMPTS)
     assert stats["accepted"] == stats["drafted"] > 20
+    _assert_pool_clean(target)
+
+
+def test_separate_draft_kept_kv_drafts_as_recomputing_everything_would(target, draft_dirs):
+    """After rejections and accepted runs, the draft KV it kept gives the drafts a fresh draft gives."""
+    args = _args(target.args.model_path, draft_dirs["small"])
+    kept = DraftModelProposer(args, target.runner, target.tokenizer, target.kv)
+    fresh = DraftModelProposer(args, target.runner, target.tokenizer, target.kv)
+    pause: dict = {}
+    spec = _speculate(target, kept, 4, pause=pause)
+    compared = {"proposals": 0, "reused": 0}
+
+    def hook(step: int) -> None:
+        ready = [r for r in target.scheduler.running if r.generating and not r.draft_ids and r.output_ids and pause.get(r, 0) <= 0]
+        expected = []
+        for req in ready:
+            fresh.release(req)
+            expected.append(fresh.propose([req], [4])[0].tokens)
+            compared["reused"] += kept._computed_len(req) > 0
+        spec(step)
+        for req, tokens in zip(ready, expected):
+            if req.draft_ids:
+                assert req.draft_ids == tokens[: len(req.draft_ids)], f"step {step}: {req.draft_ids} != {tokens}"
+                compared["proposals"] += 1
+        if step % 4 == 0 and ready and ready[0].draft_ids:  # drafts taken back unverified, then 2 plain steps
+            ready[0].draft_ids, ready[0].draft_probs, ready[0].draft_source = [], None, ""
+            pause[ready[0]] = 3
+            compared["dropped"] = compared.get("dropped", 0) + 1
+
+    driver = Driver(target)
+    for p in PROMPTS:
+        driver.add(p, max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    driver.run(on_step=hook)
+    assert compared["proposals"] > 10 and compared["reused"] > 10 and compared["dropped"] > 2
+    _assert_pool_clean(target)
+
+
+def test_separate_draft_recomputes_positions_whose_slots_the_tree_swapped(target, draft_dirs):
+    """A running request's prefix pointed at other slots (the tree's copies) is not trusted."""
+    proposer = DraftModelProposer(_args(target.args.model_path, draft_dirs["small"]), target.runner, target.tokenizer, target.kv)
+    driver = Driver(target)
+    driver.add(PROMPTS[2], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    while not (target.scheduler.running and target.scheduler.running[0].output_ids):
+        driver.step()
+    req = target.scheduler.running[0]
+    assert proposer.propose([req], [2])[0].tokens
+    assert proposer._computed_len(req) == req.kv.kv_len
+    table = target.kv.table.table
+    saved = int(table[req.kv.row, 3])
+    table[req.kv.row, 3] = int(table[req.kv.row, 4])
+    try:
+        assert proposer._computed_len(req) == 3
+    finally:
+        table[req.kv.row, 3] = saved
+    req.draft_ids = []
+    driver.run()
+    proposer.release(req)
     _assert_pool_clean(target)
 
 
