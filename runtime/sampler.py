@@ -118,19 +118,52 @@ def sample(
     if random:
         idx = torch.tensor(random, device=logits.device)
         sub_rows = [rows[i] for i in random]
-        temps = torch.tensor([r.params.temperature for r in sub_rows], dtype=logits.dtype, device=logits.device)
-        probs = _filter_top_k_top_p_min_p(logits.index_select(0, idx) / temps[:, None], sub_rows)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
-        noise = torch.empty_like(probs)
-        shared = [j for j, r in enumerate(sub_rows) if r.generator is None]
-        if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(generator=default_generator)
-        for j, r in enumerate(sub_rows):
-            if r.generator is not None:
-                noise[j].exponential_(generator=r.generator)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        tokens[idx] = _draw(_sampling_probs(logits.index_select(0, idx), sub_rows), sub_rows, default_generator)
 
     return _with_logprobs(raw, tokens, rows)
+
+
+def _sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution sampled rows draw from: temperature, then top-k/top-p/min-p."""
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
+    return _filter_top_k_top_p_min_p(logits / temps[:, None], rows)
+
+
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], default_generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of ``probs`` ``[B, V]``, drawn with the row's generator (else the default)."""
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
+    noise = torch.empty_like(probs)
+    shared = [j for j, r in enumerate(rows) if r.generator is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(generator=default_generator)
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            noise[j].exponential_(generator=r.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample_draft(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], default_generator: torch.Generator | None = None
+) -> tuple[list[int], torch.Tensor | None]:
+    """Draft tokens from a draft model's ``logits`` ``[B, V]`` and the distribution q of each.
+
+    Rows use their own settings (penalties, temperature, top-k/top-p/min-p; no grammar mask):
+    greedy rows take the argmax and get a point mass as q, sampled rows draw from q with their
+    generator. Returns the tokens and q (float32 ``[B, V]``), or None for q when every row is greedy.
+    """
+    logits = _prepare(logits, rows, None)
+    tokens = logits.argmax(dim=-1)
+    random = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random:
+        return tokens.tolist(), None
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    probs[torch.arange(len(rows), device=logits.device), tokens] = 1.0
+    idx = torch.tensor(random, device=logits.device)
+    sub_rows = [rows[i] for i in random]
+    sub_probs = _sampling_probs(logits.index_select(0, idx), sub_rows).float()
+    tokens[idx] = _draw(sub_probs, sub_rows, default_generator)
+    probs[idx] = sub_probs
+    return tokens.tolist(), probs
 
 
 def accept_draft(
@@ -139,12 +172,21 @@ def accept_draft(
     draft: int,
     default_generator: torch.Generator | None = None,
     allowed_mask: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
 ) -> SampleResult:
     """Pick a token for one position that has a proposed (draft) token, keeping the law exact.
 
-    Greedy rows take the argmax (so the draft survives only if it is the argmax). Sampled rows
-    use speculative acceptance with a point-mass proposal: keep the draft with probability
-    ``p(draft)``, else sample from ``p`` with the draft removed; the result is distributed as ``p``.
+    Greedy rows take the argmax (so the draft survives only if it is the argmax). Sampled rows,
+    with ``p`` the distribution plain sampling would draw from (mask, penalties, temperature,
+    top-k/top-p/min-p applied):
+
+    - with ``draft_probs`` (the distribution ``q`` ``[V]`` the draft was drawn from): keep the
+      draft with probability ``min(1, p(draft) / q(draft))``, else sample from the normalised
+      residual ``max(0, p - q)`` (from ``p`` when that is all zero);
+    - without it (a deterministic proposal, or ``q(draft) == 0``): keep the draft with
+      probability ``p(draft)``, else sample from ``p`` with the draft removed.
+
+    Either way the result is distributed as ``p``.
     """
     raw = logits[None]
     x = _prepare(raw, [row], None if allowed_mask is None else allowed_mask[None])
@@ -152,14 +194,27 @@ def accept_draft(
         token = int(x[0].argmax())
     else:
         gen = row.generator or default_generator
-        probs = _filter_top_k_top_p_min_p(x / row.params.temperature, [row])[0]
-        if float(torch.rand((), generator=gen, device=probs.device)) < float(probs[draft]):
+        probs = _sampling_probs(x, [row])[0]
+        q = None if draft_probs is None else draft_probs.to(device=probs.device, dtype=probs.dtype)
+        if q is not None and float(q[draft]) > 0:
+            p_d, q_d = float(probs[draft]), float(q[draft])
+            if float(torch.rand((), generator=gen, device=probs.device)) * q_d < p_d:
+                token = draft
+            else:
+                residual = (probs - q).clamp_(min=0.0)
+                token = _draw_one(residual if float(residual.sum()) > 0 else probs, gen)
+        elif float(torch.rand((), generator=gen, device=probs.device)) < float(probs[draft]):
             token = draft
         else:
             probs[draft] = 0.0
-            noise = torch.empty_like(probs).exponential_(generator=gen)
-            token = int((probs / noise).argmax())
+            token = _draw_one(probs, gen)
     return _with_logprobs(raw, torch.tensor([token]), [row])
+
+
+def _draw_one(weights: torch.Tensor, gen: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to ``weights`` ``[V]`` (not normalised)."""
+    noise = torch.empty_like(weights).exponential_(generator=gen)
+    return int((weights / noise).argmax())
 
 
 def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
