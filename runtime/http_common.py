@@ -186,10 +186,21 @@ def error_event(err: APIError) -> dict[str, Any]:
     return {"error": error_body(err.status, err.message, err.param, err.code)}
 
 
+# Characters that str.splitlines() (and so httpx's aiter_lines) takes for line ends, although
+# JSON may leave them raw: escaped, so that every SSE event stays one line for every client.
+_LINE_BREAKS = {c: f"\\u{c:04x}" for c in (0x0B, 0x0C, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029)}
+
+
+def sse_line(event: dict[str, Any] | str) -> str:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
+
+
 async def sse(events: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[str]:
     """Server-sent events: ``data: {json}`` lines then ``data: [DONE]``."""
     async for event in events:
-        yield f"data: {event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)}\n\n"
+        yield sse_line(event)
     yield "data: [DONE]\n\n"
 
 

@@ -262,3 +262,15 @@ def test_full_queue_answers_429_and_sigterm_drains(tiny_llama):
     assert srv.proc.wait(timeout=60) == 0
     assert 429 in codes and 200 in codes, codes
     srv.log.close()
+
+
+def test_sse_event_stays_one_line_whatever_characters_the_text_holds():
+    """Text with characters that splitlines() breaks on (model output can hold any) is escaped."""
+    import json as _json
+
+    from radixlm.runtime.http_common import sse_line
+
+    text = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg\x0bh\x0ci\nj\rk"
+    line = sse_line({"text": text})
+    assert line.endswith("\n\n") and len(line[:-2].splitlines()) == 1
+    assert _json.loads(line[len("data: ") : -2]) == {"text": text}
