@@ -107,3 +107,36 @@ def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale):
         torch.testing.assert_close(lse[i], ref_lse, atol=tol, rtol=tol)
     empty_out, empty_lse = ext.paged_decode(q[:1], k, v, table, order[:1], torch.tensor([1]), torch.tensor([0]), 1.0)
     assert torch.all(empty_out == 0) and torch.all(torch.isinf(empty_lse))
+
+
+@pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp", "torch-fallback"])
+def test_short_extend_rows_attend_as_decode_queries_beside_decode_and_long_extend_rows(cpp_kernel, monkeypatch):
+    """A verify row (few tokens over a cached prefix) runs as one decode query per token, scattered
+    back into place among decode rows and a long extend row; each equals the reference."""
+    from radixlm.runtime.models.attention_backend import VERIFY_AS_DECODE_MAX
+
+    if not cpp_kernel:
+        monkeypatch.setattr("radixlm.kernels.torch_decode.cpu_kernels", lambda: None)
+    pool = _pool(2)
+    backend = TorchAttentionBackend()
+    long_e = VERIFY_AS_DECODE_MAX + 4
+    rows = [list(range(10, 21)), list(range(60, 90, 3)) + [95], list(range(120, 131)), list(range(200, 205 + long_e))]
+    prefix, extend = [10, 10, 8, 5], [1, 1, 3, long_e]  # two decode rows, a verify row, a long extend
+    table = _table(rows)
+    total = sum(extend)
+    q = torch.randn(total, H, D)
+    k_new, v_new = torch.randn(total, HKV, D), torch.randn(total, HKV, D)
+    out_slots = torch.tensor([s for r, p in zip(rows, prefix) for s in r[p:]])
+    batch = ForwardBatch(
+        input_ids=torch.zeros(total, dtype=torch.int64), positions=torch.zeros(total, dtype=torch.int64), out_slots=out_slots,
+        req_rows=torch.arange(4), prefix_lens=prefix, extend_lens=extend, num_decode=2,
+        logits_indices=torch.tensor([]), req_to_token=table, kv_pool=pool, attn_backend=backend,
+    )
+    backend.init_forward_metadata(batch)
+    assert batch.attn_meta.decode_tokens is not None and len(batch.attn_meta.extend_rows) == 1
+    out = backend.forward(q, k_new, v_new, 0, batch).view(total, H, D)
+    start = 0
+    for r, p, e in zip(rows, prefix, extend):
+        ref = reference_attention(q[start : start + e], pool.k[0], pool.v[0], torch.tensor(r), p)
+        torch.testing.assert_close(out[start : start + e], ref, atol=1e-5, rtol=1e-5)
+        start += e

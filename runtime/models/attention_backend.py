@@ -54,24 +54,41 @@ class AttentionBackend(ABC):
         """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]``; returns ``[T, H*D]``."""
 
 
+VERIFY_AS_DECODE_MAX = 16  # extend rows this short over a cached prefix attend as decode queries
+
+
 @dataclass
 class _TorchMeta:
     decode: DecodePlan | None
     extend_rows: list[tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]]
     # (token start, prefix len, extend len, slots of the whole row or None, mask or None)
+    decode_tokens: torch.Tensor | None = None  # token indices of the decode queries, when not 0 .. nd-1
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Scaled-dot-product attention in PyTorch: batched for decode rows, per row for extends."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Build the padded decode index and the per-row extend slot lists once per batch."""
+        """Build the padded decode index and the per-row extend slot lists once per batch.
+
+        A short extend row over a cached prefix (the token before some drafts, and the drafts:
+        a verify row) becomes one decode query per token, query ``i`` seeing ``p + i + 1``
+        positions: the decode kernel reads the pool in place and shares the row's prefix among
+        its queries, where the extend path would gather the whole prefix for one small block.
+        """
         nd = batch.num_decode
-        decode = plan_decode(batch.req_to_token, batch.req_rows[:nd], batch.seq_lens[:nd]) if nd else None
+        rows, lens, tokens = batch.req_rows[:nd].tolist(), list(batch.seq_lens[:nd]), list(range(nd))
         extend_rows = []
         start = nd
         for i in range(nd, batch.batch_size):
             p, e = batch.prefix_lens[i], batch.extend_lens[i]
+            if p and e <= VERIFY_AS_DECODE_MAX:
+                row = int(batch.req_rows[i])
+                rows += [row] * e
+                lens += range(p + 1, p + e + 1)
+                tokens += range(start, start + e)
+                start += e
+                continue
             slots = mask = None
             if p:
                 slots = batch.req_to_token[batch.req_rows[i], : p + e]
@@ -79,7 +96,13 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(p + e, device=slots.device)[None, :] <= q_pos
             extend_rows.append((start, p, e, slots, mask))
             start += e
-        batch.attn_meta = _TorchMeta(decode, extend_rows)
+        decode = decode_tokens = None
+        if rows:
+            device = batch.req_to_token.device
+            decode = plan_decode(batch.req_to_token, torch.tensor(rows, dtype=torch.int64, device=device), lens)
+            if len(tokens) != nd:
+                decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        batch.attn_meta = _TorchMeta(decode, extend_rows, decode_tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """Write the new KV, then attend decode rows together and extend rows one by one."""
@@ -89,8 +112,11 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv = k.shape[1]
         group = num_heads // num_kv
         out = torch.empty_like(q)
-        nd = batch.num_decode
-        if nd:
+        if meta.decode_tokens is not None:
+            qd = q.index_select(0, meta.decode_tokens)
+            out.index_copy_(0, meta.decode_tokens, decode_attention(qd, pool.k[layer], pool.v[layer], meta.decode))
+        elif meta.decode is not None:
+            nd = batch.num_decode
             out[:nd] = decode_attention(q[:nd], pool.k[layer], pool.v[layer], meta.decode)
         for start, _prefix, e, slots, mask in meta.extend_rows:
             qe = q[start : start + e]
