@@ -85,7 +85,7 @@ class Scheduler:
         self.explainer = None if args.disable_cache_explain else CacheExplainer(tokenizer)
         self.finished_output_tokens = 0  # output tokens of ended requests (for tokens/s)
         self.prefill_tokens = 0  # prompt tokens computed, all steps
-        self.speculator = Speculator(args, runner, tokenizer)
+        self.speculator = Speculator(args, runner, tokenizer, kv)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -323,6 +323,7 @@ class Scheduler:
                 self._fail(req, f"internal error: {exc}")
         if not self.stats.num_retracted:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        self._speculate()  # after every half of a split pass ran: rows not yet computed get no drafts
 
     def _forward(self, rows: list[Row]) -> list[Row]:
         """One pass over ``rows`` and its tokens applied; returns the rows that were computed.
@@ -345,7 +346,10 @@ class Scheduler:
             mid = len(rows) // 2
             return self._forward(rows[:mid]) + self._forward(rows[mid:])
         self.forward_passes += 1
-        self.stats.forward_s += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.stats.forward_s += seconds
+        if all(row.start >= len(row.req.input_ids) for row in rows):  # decode and verify rows only
+            self.speculator.note_pass(seconds, len(batch.input_ids))
         self.stats.num_decode += batch.num_decode
         self.stats.num_prefill_tokens += len(batch.input_ids) - batch.num_decode
         self.prefill_tokens += len(batch.input_ids) - batch.num_decode
@@ -358,7 +362,6 @@ class Scheduler:
             req = row.req
             if req.finish is None and req.kv is not None:  # KV of rejected drafts: stale, its pages freed
                 self.kv.truncate(req.kv, req.seq_len - 1 - len(req.draft_ids))
-        self._speculate()
         return rows
 
     def _speculate(self) -> None:

@@ -35,10 +35,8 @@ def _speculate(rt, proposer: DraftModelProposer, k: int, stats: dict | None = No
 
     def hook(_step: int) -> None:
         sched = rt.scheduler
-        for req, (n_out, drafted) in list(last.items()):  # what the last pass accepted
-            if stats is not None:
-                stats["drafted"] = stats.get("drafted", 0) + drafted
-                stats["accepted"] = stats.get("accepted", 0) + max(len(req.output_ids) - n_out - 1, 0)
+        if stats is not None:  # _generate sums these requests' verified drafts at the end
+            stats.setdefault("reqs", set()).update(last)
         last.clear()
         for req in list(proposer._state):
             if req.finish is not None:
@@ -52,7 +50,7 @@ def _speculate(rt, proposer: DraftModelProposer, k: int, stats: dict | None = No
         for req, prop in zip(ready, proposer.propose(ready, sizes)):
             if prop.tokens:
                 req.draft_ids, req.draft_probs, req.draft_source = list(prop.tokens), prop.probs, "draft"
-                last[req] = (len(req.output_ids), len(prop.tokens))
+                last[req] = len(prop.tokens)
         sched.check_accounting()
 
     return hook
@@ -63,6 +61,10 @@ def _generate(rt, prompts, proposer=None, k: int = 4, stats: dict | None = None,
     rids = [driver.add(p, **{"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True, **params}) for p in prompts]
     driver.run(on_step=None if proposer is None else _speculate(rt, proposer, k, stats))
     rt.scheduler.check_accounting()
+    if stats is not None:
+        seen = stats.get("reqs", set())
+        stats["drafted"] = sum(r.spec_draft_tokens for r in seen)
+        stats["accepted"] = sum(r.spec_accepted_tokens for r in seen)
     return [driver.results[r].output_ids for r in rids]
 
 
@@ -190,6 +192,25 @@ def test_separate_draft_kept_kv_drafts_as_recomputing_everything_would(target, d
         driver.add(p, max_new_tokens=20, temperature=0.0, ignore_eos=True)
     driver.run(on_step=hook)
     assert compared["proposals"] > 10 and compared["reused"] > 10 and compared["dropped"] > 2
+    _assert_pool_clean(target)
+
+
+def test_separate_draft_recomputes_positions_another_draft_pass_rewrote(target, draft_dirs):
+    """A slot freed (rejected drafts), written by another request's draft and handed back is not trusted."""
+    proposer = DraftModelProposer(_args(target.args.model_path, draft_dirs["small"]), target.runner, target.tokenizer, target.kv)
+    driver = Driver(target)
+    driver.add(PROMPTS[2], max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    while not (target.scheduler.running and target.scheduler.running[0].output_ids):
+        driver.step()
+    req = target.scheduler.running[0]
+    assert proposer.propose([req], [2])[0].tokens
+    assert proposer._computed_len(req) == req.kv.kv_len
+    slot = int(target.kv.table.table[req.kv.row, 3])
+    proposer._passes += 1  # what another request's draft pass writing that slot records
+    proposer._stamps[slot] = proposer._passes
+    assert proposer._computed_len(req) == 3
+    req.draft_ids = []
+    driver.run()
     _assert_pool_clean(target)
 
 

@@ -54,12 +54,13 @@ class OracleProposer:
 
 
 # ------------------------------------------------------------ parity scenarios
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_output_is_identical_with_ngram_speculation_in_every_scenario(scenario, tiny_llama, always_speculate):
+def test_greedy_output_is_identical_with_speculation_in_every_scenario(scenario, algorithm, tiny_llama, always_speculate):
     prompts = _tiny_prompts()
     options, arrival = SCENARIOS[scenario]
     plain, _ = _run_scenario(tiny_llama, prompts, dict(options), arrival)
-    spec, rt = _run_scenario(tiny_llama, prompts, {**options, "speculative_algorithm": "ngram"}, arrival)
+    spec, rt = _run_scenario(tiny_llama, prompts, {**options, "speculative_algorithm": algorithm}, arrival)
     assert spec == plain
     stats = rt.scheduler.speculator.stats()
     assert stats["spec_draft_tokens"] > 0
@@ -247,3 +248,38 @@ def test_speculative_drafts_give_way_before_any_request_is_retracted(tiny_llama)
     del kv.available
     d.run()
     assert all(len(d.results[r].output_ids) == 32 for r in rids)
+
+
+def test_sampling_with_a_self_draft_runs_to_full_length_and_counts_its_drafts(tiny_llama, always_speculate):
+    """Sampled rows verified against the int4 self-draft's law q: every request completes, drafts are counted."""
+    with Engine(tiny_llama, max_total_tokens=4096, debug_check_accounting=True, speculative_algorithm="draft") as engine:
+        outs = engine.generate(
+            input_ids=_tiny_prompts()[:4],
+            sampling_params={"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95, "ignore_eos": True},
+        )
+        assert [len(o["output_ids"]) for o in outs] == [24] * 4
+        assert sum(o["meta_info"]["spec_draft_tokens"] for o in outs) > 0
+        stats = engine.get_stats()
+        assert stats["speculative_algorithm"] == "draft" and stats["spec_draft_tokens"] > 0
+
+
+def test_a_forward_pass_split_by_a_failing_request_leaves_its_neighbours_speculating_exactly(tiny_llama):
+    """The split-and-retry path: rows of the half not yet run get no drafts mid-step; outputs stay exact."""
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + i, 50 + i] * 4 + [7 * i + 3] for i in range(6)]
+    plain = Driver(build_parts(ServerArgs(model_path=tiny_llama)))
+    want = [plain.add(p, max_new_tokens=24, temperature=0, ignore_eos=True) for p in prompts]
+    plain.run()
+    d = _forced_driver(tiny_llama, max_total_tokens=2048, debug_fault_injection=True)
+    rids = [d.add(p, max_new_tokens=24, temperature=0, ignore_eos=True) for p in prompts]
+    for _ in range(3):
+        d.step()
+    for j in range(3):  # each arrives while the others decode with drafts, and fails its pass
+        d.add([5, 6, 7, 8 + j], rid=f"fault-forward-{j}", max_new_tokens=4)
+        for _ in range(2):
+            d.step()
+    d.run()
+    for j in range(3):
+        assert d.results[f"fault-forward-{j}"].meta_info["finish_reason"]["type"] == "abort"
+    assert [d.results[r].output_ids for r in rids] == [plain.results[r].output_ids for r in want]
+    assert d.sched.speculator.draft_tokens > 0
+    d.sched.check_accounting()

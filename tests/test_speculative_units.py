@@ -278,3 +278,51 @@ def test_accept_draft_keeps_the_target_distribution_for_deterministic_drafts(cas
 def test_accept_draft_never_returns_a_draft_that_top_k_filters_out():
     counts = _draws(torch.tensor([2.0, 1.0, 0.5, -3.0]), SamplingParams(temperature=1.0, top_k=3), 3, 300)
     assert counts[3] == 0 and counts.sum() == 300
+
+
+def test_pass_cost_learns_that_extra_positions_cost_more_in_larger_batches():
+    """From (tokens, seconds) of passes a + b*T, one position costs b*B/(a+b*B) of a row's share."""
+    from radixlm.runtime.speculative.pass_cost import PassCost
+
+    cost = PassCost(prior=0.05)
+    a, b = 0.030, 0.002
+    for i in range(40):
+        tokens = [1, 5, 8, 40][i % 4]
+        cost.record(tokens, a + b * tokens)
+    fit = cost.line()
+    assert fit is not None and abs(fit[0] - a) < 1e-9 and abs(fit[1] - b) < 1e-9
+    assert abs(cost.position_cost(1) - b / (a + b)) < 1e-9
+    assert abs(cost.position_cost(8) - 8 * b / (a + 8 * b)) < 1e-9
+    # a low acceptance pays at batch 1 (positions nearly free) but not at batch 8
+    gate = Gate(GateConfig(max_batch=64))
+    for _ in range(20):
+        gate.record("r", 4, 1)
+    assert gate.plan("r", 4, 1, position_cost=lambda k: cost.position_cost(1, k)) > 0
+    assert gate.plan("r", 4, 8, position_cost=lambda k: cost.position_cost(8, k)) == 0
+
+
+def test_pass_cost_keeps_its_prior_until_pass_sizes_vary():
+    """Passes all of one size cannot separate the fixed cost from the per-token cost."""
+    from radixlm.runtime.speculative.pass_cost import PassCost
+
+    cost = PassCost(prior=0.05)
+    for _ in range(50):
+        cost.record(8, 0.05)
+    assert cost.line() is None and cost.position_cost(8) == 0.05
+
+
+def test_gate_drafts_only_as_far_as_the_measured_pass_times_stay_flat():
+    """Passes of 1-3 tokens cost alike but 5 cost double (a CPU matmul kernel switch): with a
+    high acceptance the gate drafts 2 tokens, not the 4 a linear cost model would pick."""
+    from radixlm.runtime.speculative.pass_cost import PassCost
+
+    cost = PassCost(prior=0.05)
+    for _ in range(10):
+        for tokens, seconds in ((1, 0.070), (2, 0.071), (3, 0.072), (4, 0.140), (5, 0.141)):
+            cost.record(tokens, seconds)
+    assert cost.position_cost(1, 2) < 0.02 < 0.2 < cost.position_cost(1, 4)
+    gate = Gate(GateConfig(max_batch=64))
+    for _ in range(20):
+        gate.record("r", 4, 4)  # everything accepted
+    assert gate.plan("r", 4, 1, position_cost=lambda k: cost.position_cost(1, k)) == 2
+    assert gate.plan("r", 4, 1) == 4  # the configured constant: nearly free positions

@@ -27,9 +27,10 @@ Two kinds of draft:
   request it remembers which positions hold its KV (tokens and slots); each proposal first
   catches up the positions it has not computed (prompt, accepted tokens) in one extend row, then
   decodes. Draft KV is per request only: a prompt prefix that the radix tree shares is computed
-  again by each request's draft (a slot freed and reused by another request cannot be told apart
-  from one kept, so nothing is trusted across requests). A slot the tree swaps in for a running
-  request's prefix (``cache_prefix``) is noticed by comparing slots, and recomputed.
+  again by each request's draft. Every draft write stamps its slots with a pass number; a
+  position is trusted only while its slot is the one recorded and still carries the recorded
+  stamp, so a slot the tree swaps in for a running request's prefix (``cache_prefix``), or a page
+  freed (rejected drafts) and handed back after another request's draft wrote it, is recomputed.
 
 A proposal that raises leaves nothing behind that matters: reserved slots stay owned by the
 request (the next truncate frees them), and the separate draft's bookkeeping is updated only
@@ -96,7 +97,8 @@ class _DraftKV:
 
     final_len: int  # positions < final_len were computed with final (verified) tokens
     spec_tokens: list[int]  # drafts whose KV was written at positions final_len, final_len + 1, ...
-    slots: torch.Tensor  # the slots those positions were written at
+    slots: torch.Tensor  # the slots of positions 0 .. final_len + len(spec_tokens)
+    stamps: torch.Tensor  # the draft pass that last wrote each of those slots, when recorded
 
 
 @dataclass
@@ -142,6 +144,8 @@ class DraftModelProposer:
             self.pool = KVPool(runner.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype, self.device)
             self.backend = select_attention_backend(args.attention_backend, self.device)
             self.context_len = min(runner.context_len, cfg.context_length)
+            self._stamps = torch.zeros(runner.max_total_tokens, dtype=torch.int64, device=self.device)
+        self._passes = 0
         self._state: dict[Req, _DraftKV] = {}
 
     # ------------------------------------------------------------ proposing
@@ -204,13 +208,15 @@ class DraftModelProposer:
         # slots past kv_len may have been freed (and reused) since; below it they were kept,
         # unless the tree swapped in its own copies of a prefix
         valid = min(valid, req.kv.kv_len, len(state.slots))
-        changed = (self.kv.slots(req.kv, 0, valid) != state.slots[:valid]).nonzero()
+        slots = state.slots[:valid]
+        changed = ((self.kv.slots(req.kv, 0, valid) != slots) | (self._stamps[slots] != state.stamps[:valid])).nonzero()
         return int(changed[0]) if len(changed) else valid
 
     def _remember(self, req: Req, drafted: list[int]) -> None:
         """Record the positions the draft's pool now holds for ``req`` (after a whole proposal)."""
         end = req.seq_len + len(drafted) - 1
-        self._state[req] = _DraftKV(req.seq_len, drafted[:-1], self.kv.slots(req.kv, 0, end).clone())
+        slots = self.kv.slots(req.kv, 0, end).clone()
+        self._state[req] = _DraftKV(req.seq_len, drafted[:-1], slots, self._stamps[slots].clone())
 
     # ------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -240,5 +246,8 @@ class DraftModelProposer:
             attn_backend=self.backend,
         )
         self.backend.init_forward_metadata(batch)
+        if not self.self_draft:
+            self._passes += 1
+            self._stamps[batch.out_slots] = self._passes
         hidden = self.model(batch)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

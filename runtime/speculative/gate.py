@@ -4,19 +4,21 @@ Each request keeps a running estimate ``a`` of the chance that a draft token is 
 the ones before it were: discounted counts of accepted tokens and of rejections (a pass that
 accepts ``j`` of ``k`` drafts is ``j`` successes and, if ``j < k``, one failure), with a prior.
 With ``k`` drafts a verify pass yields ``1 + a + ... + a^k`` tokens on average and costs
-``1 + position_cost * k`` plain passes; the gate picks the ``k`` with the best ratio and
+``1 + (position_cost + draft_cost) * k`` plain passes (``draft_cost``: what proposing one draft
+token costs, in plain passes: about 0 for n-gram lookup, measured for a draft model); the gate picks the ``k`` with the best ratio and
 speculates only when that ratio reaches ``min_gain``. A request that stops speculating probes
 again (a short draft) every ``probe_every`` steps, so a recovered acceptance is noticed.
 
-Above ``max_batch`` running decodes the pass is compute-bound and extra positions are no longer
-nearly free: the gate turns speculation off, except for requests that must not depend on their
-batch (``own_only``: a seeded sample stays reproducible only if its drafts depend on nothing
+The cost of a position grows with the batch (the pass turns compute-bound): the Speculator
+measures it (``PassCost``) and passes it in. Above ``max_batch`` running decodes the gate turns
+speculation off outright, except for requests that must not depend on their batch (``own_only``: a seeded sample stays reproducible only if its drafts depend on nothing
 but its own history). Every decision depends only on the request's own history and, without
-``own_only``, the batch size.
+``own_only``, the batch size and the measured costs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -54,27 +56,35 @@ class Gate:
         c = self.config
         return (t.accepted + c.prior_rate * c.prior_weight) / (t.accepted + t.rejected + c.prior_weight)
 
-    def gain(self, rate: float, k: int) -> float:
+    def gain(self, rate: float, k: int, draft_cost: float = 0.0, position_cost: float | None = None) -> float:
         """Expected tokens per pass with ``k`` drafts at acceptance ``rate``, over the pass's cost."""
         expected = sum(rate**i for i in range(k + 1))
-        return expected / (1.0 + self.config.position_cost * k)
+        per_position = self.config.position_cost if position_cost is None else position_cost
+        return expected / (1.0 + (per_position + draft_cost) * k)
 
-    def best_k(self, rate: float, max_tokens: int) -> int:
-        """The draft length with the best gain, or 0 when none reaches ``min_gain``."""
+    def best_k(self, rate: float, max_tokens: int, draft_cost: float = 0.0, position_cost: Callable[[int], float] | None = None) -> int:
+        """The draft length with the best gain, or 0 when none reaches ``min_gain``.
+
+        ``position_cost(k)``: the measured cost of each of ``k`` extra positions (default: the
+        configured constant).
+        """
         best, best_gain = 0, self.config.min_gain
         for k in range(1, max_tokens + 1):
-            g = self.gain(rate, k)
+            g = self.gain(rate, k, draft_cost, None if position_cost is None else position_cost(k))
             if g >= best_gain:
                 best, best_gain = k, g
         return best
 
-    def plan(self, key: object, max_tokens: int, batch: int, own_only: bool = False) -> int:
-        """How many tokens request ``key`` may draft this step (0: decode plainly)."""
+    def plan(self, key: object, max_tokens: int, batch: int, own_only: bool = False, draft_cost: float = 0.0, position_cost: Callable[[int], float] | None = None) -> int:
+        """How many tokens request ``key`` may draft this step (0: decode plainly).
+
+        ``position_cost(k)`` (measured, see ``PassCost``) replaces the configured constant when given.
+        """
         c = self.config
         if max_tokens <= 0 or (batch > c.max_batch and not own_only):
             return 0
         t = self._tracks.setdefault(key, _Track())
-        k = self.best_k(self.rate(key), max_tokens)
+        k = self.best_k(self.rate(key), max_tokens, draft_cost, position_cost)
         if k:
             t.idle = 0
             return k

@@ -10,13 +10,23 @@ pass and counts what it accepted; the next ``step`` (or ``release``) feeds that 
 
 from __future__ import annotations
 
+import functools
+import time
 from dataclasses import dataclass
 
 from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.gate import Gate, GateConfig
 from radixlm.runtime.speculative.ngram import NgramProposer, PredictionProposer, RecentOutputs
+from radixlm.runtime.speculative.pass_cost import PassCost
 from radixlm.runtime.speculative.proposal import Proposal
+
+DRAFT_COST_PRIOR = 0.5  # a draft position's cost in target passes until measured (probes measure it)
+TIME_DECAY = 0.9  # weight of the older timings in the running means
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * new
 
 
 @dataclass
@@ -31,7 +41,7 @@ class _Pending:
 class Speculator:
     """Chooses, proposes and accounts speculative drafts for the running requests."""
 
-    def __init__(self, args: ServerArgs, runner, tokenizer, gate: Gate | None = None) -> None:
+    def __init__(self, args: ServerArgs, runner, tokenizer, kv=None, gate: Gate | None = None) -> None:
         self.algorithm = args.speculative_algorithm
         self.num_draft_tokens = args.speculative_num_draft_tokens
         self.context_len = runner.context_len
@@ -42,8 +52,11 @@ class Speculator:
         if self.algorithm == "draft":
             from radixlm.runtime.speculative.draft_model import DraftModelProposer
 
-            self.model = DraftModelProposer(args, runner, tokenizer)
+            self.model = DraftModelProposer(args, runner, tokenizer, kv)
         self._pending: dict[Req, _Pending] = {}
+        self.pass_s: float | None = None  # running mean of a decode pass of the target (seconds)
+        self.pass_cost = PassCost(prior=self.gate.config.position_cost)
+        self.draft_step_s: float | None = None  # running mean of one draft-model position for a batch
         self.verify_passes = 0  # engine-wide totals of the verified speculative drafts
         self.draft_tokens = 0
         self.accepted_tokens = 0
@@ -65,7 +78,8 @@ class Speculator:
                 continue
             budget = min(self.num_draft_tokens, req.remaining_tokens() - 1, self.context_len - 1 - req.seq_len)
             own_only = req.generator is not None and not req.params.greedy
-            k = self.gate.plan(req, budget, batch, own_only)
+            cost = None if own_only else functools.partial(self.pass_cost.position_cost, batch)
+            k = self.gate.plan(req, budget, batch, own_only, self.draft_cost(batch, own_only), cost)
             if k > 0:
                 rows.append(req)
                 sizes.append(k)
@@ -79,7 +93,9 @@ class Speculator:
         if not left:
             return
         if self.model is not None:
+            t0 = time.perf_counter()
             proposals = self.model.propose([rows[i] for i in left], [sizes[i] for i in left])
+            self.draft_step_s = _mean(self.draft_step_s, (time.perf_counter() - t0) / max(sizes[i] for i in left))
             self._apply(rows, left, proposals, "draft")
         else:
             proposals = self.ngram.propose([rows[i] for i in left], [sizes[i] for i in left], [own[i] for i in left])
@@ -110,6 +126,27 @@ class Speculator:
             self.verify_passes += passes
             self.draft_tokens += drafts
             self.accepted_tokens += accepted
+
+    def note_pass(self, seconds: float, tokens: int) -> None:
+        """Record the time of one target pass over decode and verify rows (``tokens`` new tokens)."""
+        self.pass_s = _mean(self.pass_s, seconds)
+        self.pass_cost.record(tokens, seconds)
+
+    def draft_cost(self, batch: int, own_only: bool = False) -> float:
+        """What proposing one draft token costs, in target passes without drafts.
+
+        Zero for n-gram lookup; for a draft model the measured time of a draft position over that
+        of a plain pass of ``batch`` rows (from the fitted line: verify passes are longer than
+        plain ones and would make drafts look cheap), or the running mean pass while unfitted.
+        ``DRAFT_COST_PRIOR`` before anything is measured, and always for ``own_only`` requests,
+        whose decisions must not depend on timing.
+        """
+        if self.model is None:
+            return 0.0
+        plain = self.pass_cost.plain_pass_s(batch) or self.pass_s
+        if own_only or plain is None or self.draft_step_s is None or plain <= 0:
+            return DRAFT_COST_PRIOR
+        return self.draft_step_s / plain
 
     # --------------------------------------------------------------- lifecycle
     def drop_drafts(self, req: Req) -> None:
