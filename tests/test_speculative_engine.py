@@ -263,8 +263,9 @@ def test_sampling_with_a_self_draft_runs_to_full_length_and_counts_its_drafts(ti
         assert stats["speculative_algorithm"] == "draft" and stats["spec_draft_tokens"] > 0
 
 
-def test_a_forward_pass_split_by_a_failing_request_leaves_its_neighbours_speculating_exactly(tiny_llama):
-    """The split-and-retry path: rows of the half not yet run get no drafts mid-step; outputs stay exact."""
+def test_a_forward_pass_split_by_a_failing_request_keeps_its_speculating_neighbours_exact(tiny_llama):
+    """The split-and-retry path with drafts in flight: only the failing request fails, the others'
+    greedy outputs equal plain decoding and the KV accounting stays clean."""
     prompts = [[10 + i, 20 + i, 30 + i, 40 + i, 50 + i] * 4 + [7 * i + 3] for i in range(6)]
     plain = Driver(build_parts(ServerArgs(model_path=tiny_llama)))
     want = [plain.add(p, max_new_tokens=24, temperature=0, ignore_eos=True) for p in prompts]

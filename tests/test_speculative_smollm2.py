@@ -28,3 +28,17 @@ def test_smollm2_greedy_output_is_identical_with_ngram_and_copying_accepts_draft
         assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
     copy = spec[0]["meta_info"]
     assert copy["spec_accepted_tokens"] >= 10, copy  # a quarter of the output came from drafts
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_output_is_identical_with_the_int4_self_draft(smollm2_path):
+    params = {"max_new_tokens": 24, "temperature": 0}
+    with Engine(smollm2_path, max_total_tokens=4096) as engine:
+        plain = engine.generate(PROMPTS, sampling_params=params)
+    with Engine(smollm2_path, max_total_tokens=4096, speculative_algorithm="draft") as engine:
+        engine.scheduler.speculator.gate.plan = lambda key, max_tokens, *args, **kwargs: max_tokens
+        spec = engine.generate(PROMPTS, sampling_params=params)
+        engine.check_accounting()
+    for a, b in zip(plain, spec):
+        assert b["output_ids"] == a["output_ids"] and b["text"] == a["text"]
+    assert sum(o["meta_info"]["spec_accepted_tokens"] for o in spec) > 0

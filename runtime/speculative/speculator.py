@@ -56,6 +56,7 @@ class Speculator:
         self._pending: dict[Req, _Pending] = {}
         self.pass_s: float | None = None  # running mean of a decode pass of the target (seconds)
         self.pass_cost = PassCost(prior=self.gate.config.position_cost)
+        self.drafting_rows = 0  # rows the draft model proposed for at its last step
         self.draft_step_s: float | None = None  # running mean of one draft-model position for a batch
         self.verify_passes = 0  # engine-wide totals of the verified speculative drafts
         self.draft_tokens = 0
@@ -96,6 +97,7 @@ class Speculator:
             t0 = time.perf_counter()
             proposals = self.model.propose([rows[i] for i in left], [sizes[i] for i in left])
             self.draft_step_s = _mean(self.draft_step_s, (time.perf_counter() - t0) / max(sizes[i] for i in left))
+            self.drafting_rows = len(left)
             self._apply(rows, left, proposals, "draft")
         else:
             proposals = self.ngram.propose([rows[i] for i in left], [sizes[i] for i in left], [own[i] for i in left])
@@ -133,20 +135,22 @@ class Speculator:
         self.pass_cost.record(tokens, seconds)
 
     def draft_cost(self, batch: int, own_only: bool = False) -> float:
-        """What proposing one draft token costs, in target passes without drafts.
+        """What proposing one draft token costs a request, in its share of a plain pass.
 
-        Zero for n-gram lookup; for a draft model the measured time of a draft position over that
-        of a plain pass of ``batch`` rows (from the fitted line: verify passes are longer than
-        plain ones and would make drafts look cheap), or the running mean pass while unfitted.
-        ``DRAFT_COST_PRIOR`` before anything is measured, and always for ``own_only`` requests,
-        whose decisions must not depend on timing.
+        Zero for n-gram lookup. For a draft model: a draft step (all its rows together) over a
+        plain target pass of ``batch`` rows (from the measured pass times: verify passes are
+        longer and would make drafts look cheap), times ``batch / m`` where ``m`` is how many rows
+        shared the last draft step: a draft pass costs nearly as much for one row as for eight, so
+        a few rows drafting in a large batch each pay a lot. ``DRAFT_COST_PRIOR`` before anything
+        is measured, and always for ``own_only`` requests, whose decisions must not depend on timing.
         """
         if self.model is None:
             return 0.0
         plain = self.pass_cost.plain_pass_s(batch) or self.pass_s
         if own_only or plain is None or self.draft_step_s is None or plain <= 0:
             return DRAFT_COST_PRIOR
-        return self.draft_step_s / plain
+        sharing = min(self.drafting_rows, batch) or batch
+        return self.draft_step_s * batch / (sharing * plain)
 
     # --------------------------------------------------------------- lifecycle
     def drop_drafts(self, req: Req) -> None:
