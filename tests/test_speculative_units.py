@@ -326,3 +326,25 @@ def test_gate_drafts_only_as_far_as_the_measured_pass_times_stay_flat():
         gate.record("r", 4, 4)  # everything accepted
     assert gate.plan("r", 4, 1, position_cost=lambda k: cost.position_cost(1, k)) == 2
     assert gate.plan("r", 4, 1) == 4  # the configured constant: nearly free positions
+
+
+def test_draft_cost_charges_each_row_its_share_of_the_draft_step():
+    """A draft step shared by all 8 rows costs each little; the same step for 1 row of 8 costs it 8x."""
+    from types import SimpleNamespace
+
+    from radixlm.runtime.server_args import ServerArgs
+    from radixlm.runtime.speculative.speculator import DRAFT_COST_PRIOR, Speculator
+
+    spec = Speculator(ServerArgs(), SimpleNamespace(context_len=2048), tokenizer=None)
+    assert spec.draft_cost(8) == 0.0  # no draft model: n-gram lookup costs nothing
+    spec.model = object()  # a draft model, as far as the cost is concerned
+    assert spec.draft_cost(8) == DRAFT_COST_PRIOR  # nothing measured yet
+    for _ in range(10):
+        spec.note_pass(0.100, 8)
+        spec.note_pass(0.110, 16)
+    spec.draft_step_s = 0.050
+    spec.drafting_rows = 8
+    assert abs(spec.draft_cost(8) - 0.5) < 1e-6
+    spec.drafting_rows = 1
+    assert abs(spec.draft_cost(8) - 4.0) < 1e-6
+    assert spec.draft_cost(8, own_only=True) == DRAFT_COST_PRIOR  # seeded samples never follow timings
