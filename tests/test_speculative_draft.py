@@ -195,8 +195,8 @@ def test_separate_draft_kept_kv_drafts_as_recomputing_everything_would(target, d
     _assert_pool_clean(target)
 
 
-def test_separate_draft_recomputes_positions_another_draft_pass_rewrote(target, draft_dirs):
-    """A slot freed (rejected drafts), written by another request's draft and handed back is not trusted."""
+def _drafted_request(target, draft_dirs):
+    """A separate-draft proposer, and a running request whose draft KV it holds up to kv_len."""
     proposer = DraftModelProposer(_args(target.args.model_path, draft_dirs["small"]), target.runner, target.tokenizer, target.kv)
     driver = Driver(target)
     driver.add(PROMPTS[2], max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -205,6 +205,12 @@ def test_separate_draft_recomputes_positions_another_draft_pass_rewrote(target, 
     req = target.scheduler.running[0]
     assert proposer.propose([req], [2])[0].tokens
     assert proposer._computed_len(req) == req.kv.kv_len
+    return proposer, driver, req
+
+
+def test_separate_draft_recomputes_positions_another_draft_pass_rewrote(target, draft_dirs):
+    """A slot freed (rejected drafts), written by another request's draft and handed back is not trusted."""
+    proposer, driver, req = _drafted_request(target, draft_dirs)
     slot = int(target.kv.table.table[req.kv.row, 3])
     proposer._passes += 1  # what another request's draft pass writing that slot records
     proposer._stamps[slot] = proposer._passes
@@ -216,14 +222,7 @@ def test_separate_draft_recomputes_positions_another_draft_pass_rewrote(target, 
 
 def test_separate_draft_recomputes_positions_whose_slots_the_tree_swapped(target, draft_dirs):
     """A running request's prefix pointed at other slots (the tree's copies) is not trusted."""
-    proposer = DraftModelProposer(_args(target.args.model_path, draft_dirs["small"]), target.runner, target.tokenizer, target.kv)
-    driver = Driver(target)
-    driver.add(PROMPTS[2], max_new_tokens=6, temperature=0.0, ignore_eos=True)
-    while not (target.scheduler.running and target.scheduler.running[0].output_ids):
-        driver.step()
-    req = target.scheduler.running[0]
-    assert proposer.propose([req], [2])[0].tokens
-    assert proposer._computed_len(req) == req.kv.kv_len
+    proposer, driver, req = _drafted_request(target, draft_dirs)
     table = target.kv.table.table
     saved = int(table[req.kv.row, 3])
     table[req.kv.row, 3] = int(table[req.kv.row, 4])
