@@ -267,9 +267,14 @@ class Decoder:
         """Append the picked tokens; with several and stop strings, one at a time, ending at the
         first token that completes a stop (as decoding them one per pass would)."""
         p = req.params
-        several = len(pick.tokens) > 1 and (p.stop or p.stop_regex)
-        for i in range(len(pick.tokens)) if several else ():
-            req.output_ids.append(pick.tokens[i])
+        if len(pick.tokens) < 2 or not (p.stop or p.stop_regex):
+            req.output_ids.extend(pick.tokens)
+            if req.return_logprob:
+                req.output_logprobs.extend(pick.logprobs)
+                req.output_top_logprobs.extend(pick.tops)
+            return None
+        for i, token in enumerate(pick.tokens):
+            req.output_ids.append(token)
             if req.return_logprob:
                 req.output_logprobs.append(pick.logprobs[i])
                 req.output_top_logprobs.append(pick.tops[i])
@@ -278,11 +283,6 @@ class Decoder:
             stop = self.outputs.update_text(req, final=False)
             if stop is not None and len(req.output_ids) >= p.min_new_tokens:
                 return FinishReason("stop", matched=stop)
-        if not several:
-            req.output_ids.extend(pick.tokens)
-            if req.return_logprob:
-                req.output_logprobs.extend(pick.logprobs)
-                req.output_top_logprobs.extend(pick.tops)
         return None
 
     def _is_stop_token(self, req: Req, token: int, n_out: int) -> bool:

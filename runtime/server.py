@@ -249,7 +249,7 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
                 program=body.program,
                 prompt_cache_key=body.prompt_cache_key,
                 cache_ttl=body.cache_ttl,
-                prediction=body.prediction if isinstance(body.prediction, str) or body.prediction is None else body.prediction.text(),
+                prediction=body.prediction,
             )
         if body.stream:
             response = stream_response(_native_events(ticket), ticket.close)

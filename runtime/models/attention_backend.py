@@ -77,7 +77,7 @@ class TorchAttentionBackend(AttentionBackend):
         its queries, where the extend path would gather the whole prefix for one small block.
         """
         nd = batch.num_decode
-        rows, lens, tokens = batch.req_rows[:nd].tolist(), list(batch.seq_lens[:nd]), list(range(nd))
+        rows, lens, tokens = [], list(batch.seq_lens[:nd]), []  # rows and tokens: of verify queries
         extend_rows = []
         start = nd
         for i in range(nd, batch.batch_size):
@@ -97,11 +97,13 @@ class TorchAttentionBackend(AttentionBackend):
             extend_rows.append((start, p, e, slots, mask))
             start += e
         decode = decode_tokens = None
-        if rows:
-            device = batch.req_to_token.device
-            decode = plan_decode(batch.req_to_token, torch.tensor(rows, dtype=torch.int64, device=device), lens)
-            if len(tokens) != nd:
-                decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+        if lens:
+            query_rows = batch.req_rows[:nd]
+            if rows:
+                device = batch.req_to_token.device
+                query_rows = torch.cat([query_rows, torch.tensor(rows, dtype=torch.int64, device=device)])
+                decode_tokens = torch.cat([torch.arange(nd, device=device), torch.tensor(tokens, dtype=torch.int64, device=device)])
+            decode = plan_decode(batch.req_to_token, query_rows, lens)
         batch.attn_meta = _TorchMeta(decode, extend_rows, decode_tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:

@@ -87,20 +87,23 @@ class RecentOutputs:
         self._next_id += 1
         self.docs[doc] = (salt, tokens)
         self.size += len(tokens)
-        for p in range(self.min_n - 1, len(tokens) - 1):
-            for n in range(self.min_n, min(self.max_n, p + 1) + 1):
-                self.table[(salt, tuple(tokens[p - n + 1 : p + 1]))] = (doc, p + 1)
+        for key, after in self._keys(salt, tokens):
+            self.table[key] = (doc, after)
         while self.size > self.max_tokens:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
         doc, (salt, tokens) = self.docs.popitem(last=False)
         self.size -= len(tokens)
+        for key, _ in self._keys(salt, tokens):
+            if self.table.get(key, (None,))[0] == doc:
+                del self.table[key]
+
+    def _keys(self, salt: str | None, tokens: list[int]):
+        """Each indexed ``(salt, n-gram)`` key of an output and the position just after it."""
         for p in range(self.min_n - 1, len(tokens) - 1):
             for n in range(self.min_n, min(self.max_n, p + 1) + 1):
-                key = (salt, tuple(tokens[p - n + 1 : p + 1]))
-                if self.table.get(key, (None,))[0] == doc:
-                    del self.table[key]
+                yield (salt, tuple(tokens[p - n + 1 : p + 1])), p + 1
 
     def lookup(self, salt: str | None, ngram: tuple[int, ...], k: int) -> list[int]:
         """What followed ``ngram`` in the latest output holding it (up to ``k`` tokens)."""
