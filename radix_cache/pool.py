@@ -3,17 +3,29 @@
 A *slot* holds the key and value of one token in every layer. Slots are grouped into pages of
 ``page_size`` consecutive slots; the allocator hands out whole pages so that a request's tokens
 ``[k * page_size, (k + 1) * page_size)`` always live in one page.
+
+The pool stores K and V in a ``KVFormat`` (``radixlm.kernels.kv_quant``): the model's dtype, a
+16-bit one, or an 8-bit one whose per-(token, head) scales live in slot-indexed tensors beside
+the values, so whatever owns a slot (a request, the radix tree) owns its scales too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from radixlm.kernels.kv_quant import (
+    KVFormat,
+    as_bytes,
+    dequantize_rows,
+    quantize,
+    resolve_kv_format,
+)
+
 PAD_SLOT = 0  # the slot padded (masked) positions read from
 
 
 class KVPool:
-    """Per-layer K and V tensors of shape ``[num_slots, num_kv_heads, head_dim]``."""
+    """Per-layer K and V tensors ``[num_slots, num_kv_heads, head_dim]`` (and ``[num_slots, num_kv_heads]`` scales)."""
 
     def __init__(
         self,
@@ -23,6 +35,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        kv_format: KVFormat | str = "auto",
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
@@ -30,30 +43,47 @@ class KVPool:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
+        self.format = resolve_kv_format(kv_format, dtype)
+        self.dtype = self.format.dtype  # what K and V are stored as
         self.device = torch.device(device)
         shape = (num_slots, num_kv_heads, head_dim)
         # Uninitialized, so untouched slots cost no memory; only slot 0 is zeroed because
         # padded reads (masked out, but multiplied) are pointed at it and must stay finite.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+        self.k_scale: list[torch.Tensor | None] = [None] * num_layers
+        self.v_scale: list[torch.Tensor | None] = [None] * num_layers
+        if self.format.scaled:
+            self.k_scale = [torch.empty(shape[:2], dtype=torch.float16, device=device) for _ in range(num_layers)]
+            self.v_scale = [torch.empty(shape[:2], dtype=torch.float16, device=device) for _ in range(num_layers)]
         for t in self.k + self.v:
-            t[PAD_SLOT].zero_()
+            as_bytes(t)[PAD_SLOT].zero_()
+        for t in self.k_scale + self.v_scale:
+            if t is not None:
+                t[PAD_SLOT].zero_()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the keys and values of new tokens at ``slots`` in one layer."""
-        self.k[layer].index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].index_copy_(0, slots, v.to(self.dtype))
+        """Store the keys and values of new tokens at ``slots`` in one layer (quantized once, here)."""
+        for values, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize(x, self.format)
+            as_bytes(values[layer]).index_copy_(0, slots, as_bytes(q))
+            if s is not None:
+                scales[layer].index_copy_(0, slots, s)
+
+    def read(self, layer: int, slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values at ``slots`` of one layer, dequantized to ``dtype``."""
+        k = dequantize_rows(self.k[layer], self.k_scale[layer], slots, dtype)
+        v = dequantize_rows(self.v[layer], self.v_scale[layer], slots, dtype)
+        return k, v
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Bytes that one token's KV takes across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: KVFormat | str = "auto") -> int:
+        """Bytes that one token's KV takes across all layers, scales included."""
+        return 2 * num_layers * num_kv_heads * resolve_kv_format(kv_format, dtype).bytes_per_head(head_dim)
 
     def nbytes(self) -> int:
         """Total bytes held by the pool's tensors."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale if t is not None)
 
 
 class SlotAllocator:
