@@ -81,7 +81,11 @@ def quantize(x: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor
     if not fmt.scaled:
         return x.to(fmt.dtype), None
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / fmt.qmax).clamp(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
+    amax = xf.abs().amax(dim=-1)
+    scale = (amax / fmt.qmax).clamp(_SCALE_MIN, _SCALE_MAX).to(SCALE_DTYPE)
+    # fp16 may round the scale down (in its subnormal range, by up to half): step it up where it
+    # did, so the largest magnitude still fits and nothing is clipped.
+    scale = torch.where(scale.float() * fmt.qmax < amax, torch.nextafter(scale, torch.full_like(scale, _SCALE_MAX)), scale)
     y = xf / scale.float().unsqueeze(-1)  # divide by the stored (rounded) scale: dequantizing undoes exactly this
     if fmt.dtype == torch.int8:
         return y.round_().clamp_(-fmt.qmax, fmt.qmax).to(torch.int8), scale

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.kernels.kv_quant import dequantize_rows
 from radixlm.radix_cache.pool import PAD_SLOT
 
 MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
@@ -115,14 +116,31 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     return (torch.exp(scores.float() - lse) @ v.float()).to(q.dtype), lse
 
 
-def _prefix_parts(qd: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan, scale: float):
-    """Each shared prefix once for all its rows: ``(rows, output [n, Hkv, G, D], lse [n, Hkv, G, 1])``."""
+@dataclass
+class PoolLayer:
+    """One layer's K and V pool tensors and, for an 8-bit pool, their per-(slot, head) scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def read(self, index: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``index`` (slots or a slice of them) in ``dtype``: a view when nothing converts."""
+        if isinstance(index, slice) and self.k.dtype == dtype:
+            return self.k[index], self.v[index]
+        return dequantize_rows(self.k, self.k_scale, index, dtype), dequantize_rows(self.v, self.v_scale, index, dtype)
+
+
+def _prefix_parts(qd: torch.Tensor, kv: PoolLayer, plan: DecodePlan, scale: float):
+    """Each shared prefix once for all its rows: ``(rows, output [n, Hkv, G, D], lse [n, Hkv, G, 1])``.
+
+    A prefix of a quantized (or other-dtype) pool is converted once per group, then shared by
+    every row of the group: the block a shared prefix is, never the pool.
+    """
     _, num_kv, group, head_dim = qd.shape
     for g in plan.groups:
-        if g.start is not None:
-            kp, vp = k_pool[g.start : g.start + g.length], v_pool[g.start : g.start + g.length]
-        else:
-            kp, vp = k_pool.index_select(0, g.slots), v_pool.index_select(0, g.slots)
+        kp, vp = kv.read(slice(g.start, g.start + g.length) if g.start is not None else g.slots, qd.dtype)
         n = len(g.rows)
         rows_q = qd if n == qd.shape[0] else qd.index_select(0, g.rows)  # rows are sorted and distinct
         qg = rows_q.permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
@@ -130,14 +148,26 @@ def _prefix_parts(qd: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
         yield g.rows, o2.view(num_kv, n, group, head_dim).transpose(0, 1), lse2.view(num_kv, n, group, 1).transpose(0, 1)
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
-    """Attention of one query token per row (``q`` ``[B, H, D]``) over the pool; returns ``[B, H, D]``."""
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    plan: DecodePlan,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per row (``q`` ``[B, H, D]``) over the pool; returns ``[B, H, D]``.
+
+    The pool may be stored in another dtype than ``q`` (bf16, int8, fp8); 8-bit pools come with
+    their ``[N, Hkv]`` scales.
+    """
     bd, num_heads, head_dim = q.shape
     num_kv = k_pool.shape[1]
     group = num_heads // num_kv
     scale = head_dim**-0.5
     qd = q.view(bd, num_kv, group, head_dim)
-    parts = list(_prefix_parts(qd, k_pool, v_pool, plan, scale))
+    kv = PoolLayer(k_pool, v_pool, k_scale, v_scale)
+    parts = list(_prefix_parts(qd, kv, plan, scale))
     ext = cpu_kernels() if q.device.type == "cpu" else None
     if ext is not None:  # C++: each row's own positions, read in place, continuing its prefix part
         init_out = init_lse = None
@@ -148,13 +178,15 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
             init_lse = torch.full((bd, num_kv, group, 1), float("-inf"), device=q.device)
             for rows, o2, lse2 in parts:
                 init_out[rows], init_lse[rows] = o2.float(), lse2
-        out, _ = ext.paged_decode(q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale, init_out, init_lse)
+        out, _ = ext.paged_decode(
+            q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale, init_out, init_lse, k_scale, v_scale
+        )
         return out.to(q.dtype)
-    # PyTorch: gather each row's own positions, then merge with the prefix parts by their lse
+    # PyTorch: gather each row's own positions (converted per gather), then merge with the prefix parts by their lse
     smax = plan.suffix_index.shape[1]
-    flat = plan.suffix_index.reshape(-1)
-    ks = k_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    vs = v_pool.index_select(0, flat).view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    ks, vs = kv.read(plan.suffix_index.reshape(-1), q.dtype)
+    ks = ks.view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    vs = vs.view(bd, smax, num_kv, head_dim).transpose(1, 2)
     out, lse = _partial(qd, ks, vs, plan.suffix_bias(q.dtype), scale)  # [B, Hkv, G, D], [B, Hkv, G, 1]
     for rows, o2, lse2 in parts:
         o1, lse1 = out.index_select(0, rows), lse.index_select(0, rows)

@@ -519,6 +519,8 @@ class Engine:
                 "num_running": len(s.running),
                 "num_waiting": len(s.waiting),
                 "max_total_tokens": self.runner.max_total_tokens,
+                "kv_cache_dtype": self.runner.kv_format.name,
+                "kv_bytes_per_token": self.runner.kv_bytes_per_token,
                 "free_slots": self.kv.allocator.available_slots(),
                 "tree_slots": tree.total_size(),
                 "evictable_slots": tree.evictable_size(),

@@ -8,6 +8,7 @@ import time
 import torch
 
 from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.kernels.kv_quant import resolve_kv_format
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.loader import load_model
@@ -48,19 +49,19 @@ class ModelRunner:
         elif self.dtype != torch.float32 and self.device.type == "cpu":
             self.model.keep_head_in_fp32()
         self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
+        self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.dtype)
+        cfg = self.config
+        self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.kv_format)
         self.max_total_tokens = self._pool_size()
         self.kv_pool = KVPool(
-            self.max_total_tokens,
-            self.config.num_layers,
-            self.config.num_kv_heads,
-            self.config.head_dim,
-            self.dtype,
-            self.device,
+            self.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device, self.kv_format
         )
         self.attn_backend = select_attention_backend(args.attention_backend, self.device)
         logger.info(
-            "KV pool: %d tokens (%.1f MiB), attention backend %s",
+            "KV pool: %d tokens of %s KV, %d bytes each (%.1f MiB), attention backend %s",
             self.max_total_tokens,
+            self.kv_format.name,
+            self.kv_bytes_per_token,
             self.kv_pool.nbytes() / 2**20,
             type(self.attn_backend).__name__,
         )
@@ -77,9 +78,8 @@ class ModelRunner:
         if self.args.max_total_tokens:
             n = self.args.max_total_tokens
         else:
-            per_token = KVPool.bytes_per_token(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype)
             fraction = self.args.mem_fraction_static
-            n = int(available_memory_bytes(self.device) * fraction // per_token)
+            n = int(available_memory_bytes(self.device) * fraction // self.kv_bytes_per_token)
             n = min(n, 1 << 20)
         n -= n % page
         if n < page:

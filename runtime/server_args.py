@@ -22,6 +22,7 @@ class ServerArgs:
     model_path: str | None = _opt(None, "Hugging Face folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct.")
     tokenizer_path: str | None = _opt(None, "Tokenizer folder or .gguf file, if not the model's own.")
     dtype: str = _opt("auto", "Weight and KV dtype: auto (fp32 on CPU, the model's dtype on GPU), float32, bfloat16, float16.", choices=["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = _opt("auto", "KV-cache storage: auto (the model's dtype), bfloat16, float16, int8 or fp8_e4m3 / fp8_e5m2 (8-bit values with one fp16 scale per token and KV head: about 4x the tokens of an fp32 pool, 2x a bf16 one; see README).", choices=["auto", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2"])
     device: str = _opt("auto", "auto (cuda when available, else cpu), cpu or cuda.")
     context_length: int | None = _opt(None, "Longest prompt + output; default and upper bound: the model's context length.")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens; default: a share (mem_fraction_static) of free memory.")

@@ -5,6 +5,11 @@
 // query heads of that KV head, walks the slots in blocks of BLOCK keys (scores for the block,
 // then one online-softmax rescale per block), and writes the normalized output and the
 // log-sum-exp, which the caller uses to merge with a shared-prefix part (cascade attention).
+//
+// The pool may hold fp32, bf16, fp16, int8 or fp8 (e4m3fn / e5m2) values; 8-bit pools come with
+// one fp16 scale per (slot, KV head) for K and for V. Values are converted to fp32 as they are
+// loaded (the key's scale folded into the transposed key block, the value's into its softmax
+// weight), so the pool is read in place whatever its format.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -25,6 +30,28 @@ constexpr int BLOCK = 32;
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// fp8 -> fp32 through a 256-entry table, built once per format: cheaper than decoding the bits.
+template <typename F8>
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(F8(static_cast<uint8_t>(i), F8::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <>
+inline float to_float(c10::Float8_e4m3fn x) { return fp8_table<c10::Float8_e4m3fn>()[x.x]; }
+
+template <>
+inline float to_float(c10::Float8_e5m2 x) { return fp8_table<c10::Float8_e5m2>()[x.x]; }
+
+// The scale of (slot, head), or 1 for an unscaled pool.
+inline float scale_at(const c10::Half* scales, int64_t slot, int64_t kv_heads, int64_t h) {
+  return scales == nullptr ? 1.0f : static_cast<float>(scales[slot * kv_heads + h]);
+}
+
 
 // Ask the cache for the key and value rows of head h at slots[begin:end].
 template <typename T>
@@ -41,19 +68,19 @@ inline void prefetch_rows(const T* k_pool, const T* v_pool, const int64_t* slots
 }
 
 template <typename T>
-void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* table, const int64_t* table_rows,
-                 const int64_t* starts, const int64_t* lens, const float* init_out, const float* init_lse, float* out,
-                 float* lse, int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim, int64_t table_stride,
-                 float scale) {
+void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Half* k_scale, const c10::Half* v_scale,
+                 const int64_t* table, const int64_t* table_rows, const int64_t* starts, const int64_t* lens,
+                 const float* init_out, const float* init_lse, float* out, float* lse, int64_t rows, int64_t heads,
+                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group);
+    std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group), vf(dim);
     std::vector<float> kt(dim * BLOCK, 0.0f);  // lanes past a short last block stay finite
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
       for (int64_t g = 0; g < group; ++g) {
-        const T* src = q + (r * heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(src[d]) * scale;
+        const float* src = q + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = src[d] * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
@@ -75,9 +102,10 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
         // Slots are scattered in the pool, so the hardware prefetcher cannot see ahead: ask for
         // the next block's key and value rows now, while this block computes.
         prefetch_rows(k_pool, v_pool, slots, j0 + BLOCK, std::min<int64_t>(n, j0 + 2 * BLOCK), kv_heads, h, dim);
-        for (int64_t j = 0; j < nb; ++j) {  // the block's keys, transposed: kt[d][j]
+        for (int64_t j = 0; j < nb; ++j) {  // the block's keys, transposed and scaled: kt[d][j]
           const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) kt[d * BLOCK + j] = to_float(kr[d]);
+          const float ks = scale_at(k_scale, slots[j0 + j], kv_heads, h);
+          for (int64_t d = 0; d < dim; ++d) kt[d * BLOCK + j] = to_float(kr[d]) * ks;
         }
         for (int64_t g = 0; g < group; ++g) {  // scores along the keys: no horizontal sums
           const float* qg = qf.data() + g * dim;
@@ -109,13 +137,15 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
           l[g] = l[g] * correction + sum;
           m[g] = new_m;
         }
-        for (int64_t j = 0; j < nb; ++j) {  // each value row read once for the whole group
+        for (int64_t j = 0; j < nb; ++j) {  // each value row converted once for the whole group
           const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
+          const float vs = scale_at(v_scale, slots[j0 + j], kv_heads, h);
+          for (int64_t d = 0; d < dim; ++d) vf[d] = to_float(vr[d]);
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * BLOCK + j];
+            const float p = scores[g * BLOCK + j] * vs;
             float* ag = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * to_float(vr[d]);
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * vf[d];
           }
         }
       }
@@ -137,22 +167,34 @@ void decode_rows(const T* q, const T* k_pool, const T* v_pool, const int64_t* ta
 
 }  // namespace
 
-// q [B, H, D]; k_pool, v_pool [N, Hkv, D] (same dtype as q); table [R, S] int64 (the request ->
-// slot table); rows [B] selects each query's table row; starts/lens [B]: the positions of that
-// row to attend to.
+// q [B, H, D] (any float dtype); k_pool, v_pool [N, Hkv, D] (fp32, bf16, fp16, int8 or fp8);
+// table [R, S] int64 (the request -> slot table); rows [B] selects each query's table row;
+// starts/lens [B]: the positions of that row to attend to.
 // init_out [B, H, D] and init_lse [B, H] (fp32, optional): an earlier part of each row's attention
 // (lse -inf where a row has none) that the result continues.
+// k_scale, v_scale [N, Hkv] fp16 (optional, required for int8 and fp8 pools): per (slot, head) scales.
 // Returns (out [B, H, D] fp32, lse [B, H] fp32).
 std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                         torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
                                         torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
-                                        c10::optional<torch::Tensor> init_lse) {
+                                        c10::optional<torch::Tensor> init_lse, c10::optional<torch::Tensor> k_scale,
+                                        c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q must be [B, H, D] and the pool [N, Hkv, D]");
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(), "q and the pool must share a dtype");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "the K and V pools must share a dtype");
   TORCH_CHECK(table.is_contiguous() && table.scalar_type() == torch::kLong, "table must be a contiguous int64 tensor");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "the pool tensors must be contiguous");
-  auto qc = q.contiguous();
+  const auto kv_type = k_pool.scalar_type();
+  const bool eight_bit = kv_type == at::kChar || kv_type == at::kFloat8_e4m3fn || kv_type == at::kFloat8_e5m2;
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "k_scale and v_scale come together");
+  TORCH_CHECK(k_scale.has_value() == eight_bit, "int8 and fp8 pools need their scales, other pools take none");
+  if (eight_bit) {
+    for (const auto& s : {*k_scale, *v_scale}) {
+      TORCH_CHECK(s.scalar_type() == at::kHalf && s.is_contiguous() && s.numel() == k_pool.size(0) * k_pool.size(1),
+                  "scales must be contiguous fp16 [N, Hkv]");
+    }
+  }
+  auto qc = q.to(torch::kFloat).contiguous();
   auto rw = rows.to(torch::kLong).contiguous();
   auto st = starts.to(torch::kLong).contiguous();
   auto ln = lens.to(torch::kLong).contiguous();
@@ -167,12 +209,24 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
   }
   auto out = torch::empty({b, heads, dim}, qc.options().dtype(torch::kFloat));
   auto lse = torch::empty({b, heads}, qc.options().dtype(torch::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    decode_rows<scalar_t>(qc.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
-                          table.data_ptr<int64_t>(), rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(),
-                          ln.data_ptr<int64_t>(), io.defined() ? io.data_ptr<float>() : nullptr,
-                          il.defined() ? il.data_ptr<float>() : nullptr, out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads,
-                          dim, table.size(1), static_cast<float>(scale));
-  });
+  const c10::Half* ks = eight_bit ? k_scale->data_ptr<c10::Half>() : nullptr;
+  const c10::Half* vs = eight_bit ? v_scale->data_ptr<c10::Half>() : nullptr;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    decode_rows<T>(qc.data_ptr<float>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), ks, vs, table.data_ptr<int64_t>(),
+                   rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(),
+                   io.defined() ? io.data_ptr<float>() : nullptr, il.defined() ? il.data_ptr<float>() : nullptr,
+                   out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads, dim, table.size(1),
+                   static_cast<float>(scale));
+  };
+  switch (kv_type) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    case at::kChar: run(int8_t{}); break;
+    case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
+    case at::kFloat8_e5m2: run(c10::Float8_e5m2{}); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported pool dtype ", kv_type);
+  }
   return {out, lse};
 }

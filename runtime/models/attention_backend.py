@@ -107,24 +107,32 @@ class TorchAttentionBackend(AttentionBackend):
         batch.attn_meta = _TorchMeta(decode, extend_rows, decode_tokens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Write the new KV, then attend decode rows together and extend rows one by one."""
+        """Write the new KV, then attend decode rows together and extend rows one by one.
+
+        Every row attends to the KV as the pool stores it: a row without a cached prefix reads its
+        own new tokens back through the pool when the pool converts them (bf16, int8, fp8), so a
+        prompt sees the same keys whether or not its prefix was cached, and later decode steps
+        see what it saw.
+        """
         pool, meta = batch.kv_pool, batch.attn_meta
         pool.write(layer, batch.out_slots, k, v)
         num_tokens, num_heads, head_dim = q.shape
         num_kv = k.shape[1]
         group = num_heads // num_kv
         out = torch.empty_like(q)
+        scales = {"k_scale": pool.k_scale[layer], "v_scale": pool.v_scale[layer]}
         if meta.decode_tokens is not None:
             qd = q.index_select(0, meta.decode_tokens)
-            out.index_copy_(0, meta.decode_tokens, decode_attention(qd, pool.k[layer], pool.v[layer], meta.decode))
+            out.index_copy_(0, meta.decode_tokens, decode_attention(qd, pool.k[layer], pool.v[layer], meta.decode, **scales))
         elif meta.decode is not None:
             nd = batch.num_decode
-            out[:nd] = decode_attention(q[:nd], pool.k[layer], pool.v[layer], meta.decode)
+            out[:nd] = decode_attention(q[:nd], pool.k[layer], pool.v[layer], meta.decode, **scales)
+        converts = pool.dtype != q.dtype
         for start, _prefix, e, slots, mask in meta.extend_rows:
             qe = q[start : start + e]
-            if slots is None:
+            if slots is None and not converts:
                 ke, ve = k[start : start + e], v[start : start + e]
             else:
-                ke, ve = pool.k[layer].index_select(0, slots), pool.v[layer].index_select(0, slots)
+                ke, ve = pool.read(layer, batch.out_slots[start : start + e] if slots is None else slots, q.dtype)
             out[start : start + e] = extend_attention(qe, ke, ve, mask, group)
         return out.view(num_tokens, num_heads * head_dim)

@@ -141,7 +141,7 @@ class DraftModelProposer:
             elif runner.dtype != torch.float32 and self.device.type == "cpu":
                 self.model.keep_head_in_fp32()
             cfg = self.config
-            self.pool = KVPool(runner.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype, self.device)
+            self.pool = KVPool(runner.max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, runner.dtype, self.device, runner.kv_format)
             self.backend = select_attention_backend(args.attention_backend, self.device)
             self.context_len = min(runner.context_len, cfg.context_length)
             self._stamps = torch.zeros(runner.max_total_tokens, dtype=torch.int64, device=self.device)
