@@ -1,7 +1,8 @@
 """The Triton attention kernels, run on CPU tensors under Triton's interpreter, against PyTorch.
 
-Shapes are tiny and fp32 (the interpreter's bf16 ``tl.dot`` is not trustworthy); every kernel
-launch costs a fraction of a second here, so each test launches only a few.
+Shapes are tiny and q is fp32 (the interpreter's bf16 ``tl.dot`` is not trustworthy); pools are
+fp32, or bf16/int8/fp8 read by fp32 dots. Every kernel launch costs a fraction of a second here,
+so each test launches only a few.
 """
 
 import os
