@@ -144,10 +144,10 @@ def full_size_tiles(kv_dtype: torch.dtype, compute: torch.dtype) -> bool:
     """Whether the 16-bit tile sizes fit shared memory: yes unless fp32 dots read >= 2-byte KV.
 
     Shared memory holds the pipelined loads (``num_stages`` tiles in the pool's dtype) and the
-    dot operands (in ``compute``). At the 16-bit sizes a 1-byte pool's loads take a quarter of
-    what fp32 loads take at half the sizes, and its fp32 operands twice: about the same total,
-    so 8-bit KV keeps the 16-bit sizes (fewer steps, fewer scale loads); fp32 or mixed 16-bit
-    KV with fp32 dots halves them.
+    dot operands (in ``compute``). At the 16-bit sizes a 1-byte pool's loads take half of what
+    an fp32 pool's take at its halved sizes, and its fp32 operands twice: about the same total,
+    so 8-bit KV keeps the 16-bit sizes (fewer steps, fewer scale loads); fp32 KV, or 16-bit KV
+    under fp32 dots (loads as large as the 16-bit path's, operands twice), halves them.
     """
     return compute != torch.float32 or kv_dtype.itemsize == 1
 
