@@ -11,6 +11,10 @@ Each decode row has one query token. Its sequence (``seq_lens[b]`` tokens, whose
 Splitting keeps the GPU busy when the batch is small and sequences are long; with one split
 stage 2 is a plain copy. Scores are kept in the base-2 domain (``exp2``) with ``log2(e)`` folded
 into the scale; everything is accumulated in fp32 and the output is cast to ``q``'s dtype.
+
+An 8-bit pool (int8, float8) is read as stored, one ``[BLOCK_N, D]`` block at a time, and
+dequantized in registers (fp32 values times the block's per-slot scales of this KV head); the
+dots then run in fp32. A 16-bit pool under an fp32 ``q`` is converted to fp32 the same way.
 """
 
 from __future__ import annotations
@@ -30,18 +34,21 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # its sequence, for all query heads h = g * GROUP + i (i < GROUP, padded to BLOCK_H >= 16 rows
 # so the score and value products are tensor-core dots). It runs an online softmax over the
 # chunk in steps of BLOCK_N tokens and stores the normalized partial output and its log-sum-exp.
+# UPCAST: q, K and V go to fp32 before the dots (the pool's dtype differs from q's); HAS_SCALES:
+# the pool is 8-bit and each loaded K/V row is multiplied by its slot's scale for KV head g.
 @triton.jit
 def _decode_split_kernel(
-    q, k_pool, v_pool, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
+    q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
     stride_qb, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_rt,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     qk_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -62,7 +69,10 @@ def _decode_split_kernel(
 
     q_ptrs = q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     qv = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-    qv = qv.to(k_pool.dtype.element_ty)
+    if UPCAST:
+        qv = qv.to(tl.float32)
+    else:
+        qv = qv.to(k_pool.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -74,6 +84,12 @@ def _decode_split_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kb = tl.load(k_pool + slots[:, None] * stride_kn + g * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         vb = tl.load(v_pool + slots[:, None] * stride_vn + g * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            kb = kb.to(tl.float32)
+            vb = vb.to(tl.float32)
+        if HAS_SCALES:
+            kb = kb * tl.load(k_scale + slots * stride_ksn + g * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            vb = vb * tl.load(v_scale + slots * stride_vsn + g * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         scores = tl.dot(qv, tl.trans(kb), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -119,18 +135,50 @@ def _decode_reduce_kernel(
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, result.to(out.dtype.element_ty), mask=mask_d)
 
 
-def decode_block_n(head_dim: int, dtype: torch.dtype) -> int:
-    """Tokens per inner-loop step: 64 for 16-bit KV, fewer for fp32 so tiles fit shared memory."""
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dots run in: the pool's when ``q`` has it, else fp32 (8-bit pools, bf16 KV under fp32 q)."""
+    return kv_dtype if kv_dtype == q_dtype else torch.float32
+
+
+def full_size_tiles(kv_dtype: torch.dtype, compute: torch.dtype) -> bool:
+    """Whether the 16-bit tile sizes fit shared memory: yes unless fp32 dots read >= 2-byte KV.
+
+    Shared memory holds the pipelined loads (``num_stages`` tiles in the pool's dtype) and the
+    dot operands (in ``compute``). At the 16-bit sizes a 1-byte pool's loads take half of what
+    an fp32 pool's take at its halved sizes, and its fp32 operands twice: about the same total,
+    so 8-bit KV keeps the 16-bit sizes (fewer steps, fewer scale loads); fp32 KV, or 16-bit KV
+    under fp32 dots (loads as large as the 16-bit path's, operands twice), halves them.
+    """
+    return compute != torch.float32 or kv_dtype.itemsize == 1
+
+
+def decode_block_n(head_dim: int, kv_dtype: torch.dtype, compute: torch.dtype) -> int:
+    """Tokens per inner-loop step: 64 for 16- and 8-bit KV, fewer for fp32 so tiles fit shared memory."""
     if INTERPRET:  # small, so tiny test shapes still take several steps and chunks
         return 16
-    if dtype == torch.float32:
+    if not full_size_tiles(kv_dtype, compute):
         return 32 if head_dim <= 128 else 16
     return 64
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """The ``tl.dot`` input precision for a KV dtype: exact ``ieee`` for fp32, default otherwise."""
+    """The ``tl.dot`` input precision for a compute dtype: exact ``ieee`` for fp32, default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def kv_scale_args(
+    k_pool: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int], bool]:
+    """``(k_scale, v_scale, their strides, has_scales)`` for a kernel; the pool stands in when unscaled."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale, or neither")
+    if k_scale is None:
+        if k_pool.element_size() == 1:
+            raise ValueError(f"a {k_pool.dtype} KV pool needs its k_scale and v_scale")
+        return k_pool, k_pool, (0, 0, 0, 0), False  # never read: HAS_SCALES=False drops the loads
+    if k_scale.shape != k_pool.shape[:2] or v_scale.shape != k_pool.shape[:2]:
+        raise ValueError(f"scales must be [num_slots, num_kv_heads] = {list(k_pool.shape[:2])}")
+    return k_scale, v_scale, (*k_scale.stride(), *v_scale.stride()), True
 
 
 def num_kv_splits(
@@ -158,12 +206,15 @@ def decode_attention(
     num_splits: int,
     mid_o: torch.Tensor | None = None,
     mid_lse: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``q`` ``[B, H, D]`` (one token per row) over the pool; writes and returns ``out`` ``[B, H, D]``.
 
     ``seq_lens`` (int32, ``[B]``) counts each row's tokens including the new one, whose KV must
     already be in the pool. ``mid_o`` ``[B, H, S, D]`` and ``mid_lse`` ``[B, H, S]`` (fp32) are the
-    partial-result buffers; pass them to reuse one allocation across layers.
+    partial-result buffers; pass them to reuse one allocation across layers. An 8-bit pool
+    needs ``k_scale`` and ``v_scale`` ``[num_slots, num_kv_heads]``, read per block in place.
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_pool.shape[1]
@@ -180,17 +231,20 @@ def decode_attention(
         mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))
+    k_scale, v_scale, scale_strides, has_scales = kv_scale_args(k_pool, k_scale, v_scale)
+    compute = compute_dtype(q.dtype, k_pool.dtype)
     _decode_split_kernel[(batch, num_kv, num_splits)](
-        q, k_pool, v_pool, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
+        q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        *scale_strides,
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         _LOG2E / math.sqrt(head_dim),
         HEAD_DIM=head_dim, GROUP=group, NUM_SPLITS=num_splits,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=decode_block_n(head_dim, k_pool.dtype),
-        DOT_PRECISION=dot_precision(k_pool.dtype),
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=decode_block_n(head_dim, k_pool.dtype, compute),
+        DOT_PRECISION=dot_precision(compute), UPCAST=compute != k_pool.dtype, HAS_SCALES=has_scales,
         num_warps=4 if block_d <= 128 else 8, num_stages=2,
     )
     _decode_reduce_kernel[(batch, num_heads)](

@@ -12,6 +12,9 @@ values later decode steps will read (the pool's dtype, not the projection's). Th
 indirect gather for the new tokens too, which SGLang's two-loop design avoids; the new tokens
 are a small share of the keys once a prefix is cached, and without a prefix the gather is the
 same as the prefix's.
+
+An 8-bit pool is read as stored and dequantized per ``[BLOCK_N, D]`` block in registers, as in
+``triton_decode``; the dots then run in fp32 (so do they for a 16-bit pool under an fp32 ``q``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
-from radixlm.kernels.triton_decode import dot_precision
+from radixlm.kernels.triton_decode import (
+    compute_dtype,
+    dot_precision,
+    full_size_tiles,
+    kv_scale_args,
+)
 
 _LOG2E = 1.4426950408889634
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -33,17 +41,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # new tokens m * BLOCK_M .. (m + 1) * BLOCK_M of extend row i (a block past the row's end does
 # nothing), and runs an online softmax over that row's keys 0 .. prefix + last token of the
 # block in steps of BLOCK_N, masking keys that come after each query. KV head = h // GROUP.
+# UPCAST: q, K and V go to fp32 before the dots; HAS_SCALES: each loaded K/V row is multiplied
+# by its slot's scale for the KV head (an 8-bit pool).
 @triton.jit
 def _extend_kernel(
-    q, k_pool, v_pool, out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts,
+    q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts,
     stride_qt, stride_qh,
     stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_ot, stride_oh,
     stride_rt,
     qk_scale,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
@@ -64,7 +75,10 @@ def _extend_kernel(
 
     q_ptrs = q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
     qv = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-    qv = qv.to(k_pool.dtype.element_ty)
+    if UPCAST:
+        qv = qv.to(tl.float32)
+    else:
+        qv = qv.to(k_pool.dtype.element_ty)
 
     # Keys up to the block's last query; none when the block lies past the row's end.
     end = tl.where(m0 < extend, prefix + tl.minimum(extend, m0 + BLOCK_M), 0)
@@ -78,6 +92,14 @@ def _extend_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         kb = tl.load(k_pool + slots[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         vb = tl.load(v_pool + slots[:, None] * stride_vn + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            kb = kb.to(tl.float32)
+            vb = vb.to(tl.float32)
+        if HAS_SCALES:
+            ks = tl.load(k_scale + slots * stride_ksn + kv_head * stride_ksh, mask=mask_n, other=0.0)
+            vs = tl.load(v_scale + slots * stride_vsn + kv_head * stride_vsh, mask=mask_n, other=0.0)
+            kb = kb * ks.to(tl.float32)[:, None]
+            vb = vb * vs.to(tl.float32)[:, None]
         scores = tl.dot(qv, tl.trans(kb), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         # Key 0 is visible to every query row, so each row's running max is finite after step 1.
         visible = (pos[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -94,12 +116,13 @@ def _extend_kernel(
     tl.store(o_ptrs, result.to(out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
-def extend_block_sizes(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps)``: 64x64 up to D=128, half as many keys per step for fp32."""
+def extend_block_sizes(head_dim: int, kv_dtype: torch.dtype, compute: torch.dtype) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)``: 64x64 up to D=128 (8-bit KV too), half as many keys per step for fp32."""
     if INTERPRET:  # tiny blocks so test shapes still cross block boundaries
         return 16, 16, 4
-    # fp32 tiles take twice the shared memory; halving them keeps fp32 under ~64 KiB.
-    shrink = 2 if dtype == torch.float32 else 1
+    # fp32 tiles take twice the shared memory; halving them keeps fp32 under ~64 KiB
+    # (8-bit loads are small enough to keep the full sizes: see ``full_size_tiles``).
+    shrink = 1 if full_size_tiles(kv_dtype, compute) else 2
     if head_dim <= 128:
         return 64 // shrink, 64 // shrink, 4
     return 32, 32 // shrink, 8
@@ -116,12 +139,15 @@ def extend_attention(
     extend_lens: torch.Tensor,
     q_starts: torch.Tensor,
     max_extend_len: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens ``q`` ``[T, H, D]`` over their rows' pool slots; fills ``out``.
 
     ``req_rows``, ``prefix_lens``, ``extend_lens`` and ``q_starts`` (int32, ``[B_ext]``) describe
     the extend rows; ``q_starts[i]`` indexes into ``q``/``out``. Every row's KV, the new tokens'
-    included, must already be written at ``req_to_token[row, :prefix + extend]``.
+    included, must already be written at ``req_to_token[row, :prefix + extend]``. An 8-bit pool
+    needs ``k_scale`` and ``v_scale`` ``[num_slots, num_kv_heads]``, read per block in place.
     """
     num_rows = req_rows.shape[0]
     _, num_heads, head_dim = q.shape
@@ -132,19 +158,22 @@ def extend_attention(
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv})")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
         raise ValueError("the last (head_dim) dimension of q, out and the pools must be contiguous")
-    block_m, block_n, num_warps = extend_block_sizes(head_dim, k_pool.dtype)
+    k_scale, v_scale, scale_strides, has_scales = kv_scale_args(k_pool, k_scale, v_scale)
+    compute = compute_dtype(q.dtype, k_pool.dtype)
+    block_m, block_n, num_warps = extend_block_sizes(head_dim, k_pool.dtype, compute)
     block_d = max(16, triton.next_power_of_2(head_dim))
     grid = (num_rows, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
-        q, k_pool, v_pool, out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts,
+        q, k_pool, v_pool, k_scale, v_scale, out, req_to_token, req_rows, prefix_lens, extend_lens, q_starts,
         q.stride(0), q.stride(1),
         k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        *scale_strides,
         out.stride(0), out.stride(1),
         req_to_token.stride(0),
         _LOG2E / math.sqrt(head_dim),
         HEAD_DIM=head_dim, GROUP=num_heads // num_kv,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(k_pool.dtype),
+        DOT_PRECISION=dot_precision(compute), UPCAST=compute != k_pool.dtype, HAS_SCALES=has_scales,
         num_warps=num_warps, num_stages=2,
     )
     return out

@@ -1,7 +1,8 @@
 """The Triton attention kernels, run on CPU tensors under Triton's interpreter, against PyTorch.
 
-Shapes are tiny and fp32 (the interpreter's bf16 ``tl.dot`` is not trustworthy); every kernel
-launch costs a fraction of a second here, so each test launches only a few.
+Shapes are tiny and q is fp32 (the interpreter's bf16 ``tl.dot`` is not trustworthy); pools are
+fp32, or bf16/int8/fp8 read by fp32 dots. Every kernel launch costs a fraction of a second here,
+so each test launches only a few.
 """
 
 import os
@@ -55,10 +56,15 @@ def _scattered_table(seq_lens: list[int], num_slots: int, gen: torch.Generator) 
     return table, rows
 
 
-def _random_pool(num_kv: int, gen: torch.Generator, num_slots: int = 160, num_layers: int = 1) -> KVPool:
-    pool = KVPool(num_slots, num_layers, num_kv, HEAD_DIM, torch.float32)
-    for t in pool.k + pool.v:
-        t.copy_(torch.randn(t.shape, generator=gen))
+def _random_pool(
+    num_kv: int, gen: torch.Generator, num_slots: int = 160, num_layers: int = 1, kv_format: str = "auto"
+) -> KVPool:
+    """A pool of random K/V (fp32 model), written through ``pool.write`` so 8-bit ones get their scales."""
+    pool = KVPool(num_slots, num_layers, num_kv, HEAD_DIM, torch.float32, kv_format=kv_format)
+    slots = torch.arange(num_slots)
+    for layer in range(num_layers):
+        k, v = (torch.randn(num_slots, num_kv, HEAD_DIM, generator=gen) * 3 for _ in range(2))
+        pool.write(layer, slots, k, v)
     return pool
 
 
@@ -175,3 +181,99 @@ def test_tiny_model_generates_the_same_tokens_with_the_triton_backend(tiny_llama
         d.run()
         outputs[backend] = (d.results[a].output_ids, d.results[b].output_ids)
     assert outputs["triton"] == outputs["torch"]
+
+
+# A 16-bit pool under an fp32 model (q fp32, K/V bf16) and the 8-bit formats with their scales.
+QUANTIZED_FORMATS = ["int8", "fp8_e4m3", "bfloat16"]
+
+
+@pytest.mark.parametrize("kv_format", QUANTIZED_FORMATS)
+def test_decode_on_quantized_pool_matches_reference_on_dequantized_pool(kv_format: str) -> None:
+    """Decode reads the pool as stored and dequantizes per block: equal to attention over ``pool.read``."""
+    gen = torch.Generator().manual_seed(20)
+    seq_lens = [1, 17, 40]
+    pool = _random_pool(NUM_HEADS // 2, gen, kv_format=kv_format)
+    k_deq, v_deq = pool.read(0, slice(None), torch.float32)
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    decode_attention(q, pool.k[0], pool.v[0], table, rows, lens, out, 2, k_scale=pool.k_scale[0], v_scale=pool.v_scale[0])
+    for b, length in enumerate(seq_lens):
+        want = reference_attention(q[b : b + 1], k_deq, v_deq, table[rows[b], :length], length - 1)
+        torch.testing.assert_close(out[b : b + 1], want, **TOL)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "bfloat16"])  # int8: the backend test's extend row
+def test_extend_on_quantized_pool_matches_reference_on_dequantized_pool(kv_format: str) -> None:
+    """Extend over a cached prefix on a quantized pool equals attention over ``pool.read``."""
+    gen = torch.Generator().manual_seed(21)
+    prefixes, extends = [0, 19], [18, 3]
+    seq_lens = [p + e for p, e in zip(prefixes, extends)]
+    pool = _random_pool(NUM_HEADS // 2, gen, kv_format=kv_format)
+    k_deq, v_deq = pool.read(0, slice(None), torch.float32)
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    starts = [sum(extends[:i]) for i in range(len(extends))]
+    q = torch.randn(sum(extends), NUM_HEADS, HEAD_DIM, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    extend_attention(
+        q, pool.k[0], pool.v[0], out, table, rows, i32(prefixes), i32(extends), i32(starts), max(extends),
+        k_scale=pool.k_scale[0], v_scale=pool.v_scale[0],
+    )
+    for i, (p, e) in enumerate(zip(prefixes, extends)):
+        s = starts[i]
+        want = reference_attention(q[s : s + e], k_deq, v_deq, table[rows[i], : p + e], p)
+        torch.testing.assert_close(out[s : s + e], want, **TOL)
+
+
+def test_kernels_refuse_an_8bit_pool_without_its_scales() -> None:
+    """Reading int8 values without their scales would be silently wrong: both kernels raise instead."""
+    gen = torch.Generator().manual_seed(22)
+    pool = _random_pool(NUM_HEADS, gen, num_slots=8, kv_format="int8")
+    one = torch.ones(1, dtype=torch.int32)
+    table, rows = torch.ones(1, 2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM, generator=gen)
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        decode_attention(q, pool.k[0], pool.v[0], table, rows, one, torch.empty_like(q), 1)
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        extend_attention(q, pool.k[0], pool.v[0], torch.empty_like(q), table, rows, one * 0, one, one * 0, 1)
+
+
+def test_backend_mixed_batch_on_int8_pool_matches_reference_on_dequantized_pool() -> None:
+    """TritonAttentionBackend.forward quantizes the new KV once and attends over the int8 pool with its scales."""
+    gen = torch.Generator().manual_seed(23)
+    layer, num_kv = 1, NUM_HEADS // 2
+    prefixes, extends = [0, 20, 9], [1, 1, 7]  # rows 0-1 decode, 2 extend
+    seq_lens = [p + e for p, e in zip(prefixes, extends)]
+    pool = _random_pool(num_kv, gen, num_layers=2, kv_format="int8")
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    out_slots = torch.cat([table[r, p : p + e] for r, p, e in zip(rows.tolist(), prefixes, extends)])
+    num_tokens = int(out_slots.numel())
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(num_tokens, num_kv, HEAD_DIM, generator=gen) for _ in range(2))
+    backend = TritonAttentionBackend(min_split_tokens=16)  # the 21-token row takes 2 splits
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefixes, extends)]),
+        out_slots=out_slots,
+        req_rows=rows,
+        prefix_lens=prefixes,
+        extend_lens=extends,
+        num_decode=2,
+        logits_indices=torch.arange(num_tokens),
+        req_to_token=table,
+        kv_pool=pool,
+        attn_backend=backend,
+    )
+    backend.init_forward_metadata(batch)
+    got = backend.forward(q, k, v, layer, batch).view(num_tokens, NUM_HEADS, HEAD_DIM)
+    assert pool.k[layer].dtype == torch.int8
+    k_new, _ = pool.read(layer, out_slots, torch.float32)
+    torch.testing.assert_close(k_new, k, atol=0.03 * k.abs().max().item(), rtol=0)  # stored, quantized
+    k_deq, v_deq = pool.read(layer, slice(None), torch.float32)
+    start = 0
+    for r, p, e in zip(rows.tolist(), prefixes, extends):
+        want = reference_attention(q[start : start + e], k_deq, v_deq, table[r, : p + e], p)
+        torch.testing.assert_close(got[start : start + e], want, **TOL)
+        start += e

@@ -69,6 +69,7 @@ class TritonAttentionBackend(AttentionBackend):
         pool, meta = batch.kv_pool, batch.attn_meta
         pool.write(layer, batch.out_slots, k, v)
         k_pool, v_pool = pool.k[layer], pool.v[layer]
+        k_scale, v_scale = pool.k_scale[layer], pool.v_scale[layer]  # None unless the pool is 8-bit
         num_tokens, num_heads, head_dim = q.shape
         if q.stride(2) != 1:
             q = q.contiguous()
@@ -80,12 +81,12 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.mid_lse = torch.empty(nd, num_heads, meta.num_splits, dtype=torch.float32, device=q.device)
             decode_attention(
                 q[:nd], k_pool, v_pool, batch.req_to_token, meta.decode_rows, meta.decode_seq_lens,
-                out[:nd], meta.num_splits, meta.mid_o, meta.mid_lse,
+                out[:nd], meta.num_splits, meta.mid_o, meta.mid_lse, k_scale, v_scale,
             )
         if meta.max_extend_len:
             extend_attention(
                 q, k_pool, v_pool, out, batch.req_to_token, meta.extend_rows, meta.prefix_lens,
-                meta.extend_lens, meta.q_starts, meta.max_extend_len,
+                meta.extend_lens, meta.q_starts, meta.max_extend_len, k_scale, v_scale,
             )
         return out.view(num_tokens, num_heads * head_dim)
 
