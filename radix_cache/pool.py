@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.kernels.kv_quant import (
     KVFormat,
     as_bytes,
@@ -64,7 +65,11 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the keys and values of new tokens at ``slots`` in one layer (quantized once, here)."""
+        ext = cpu_kernels() if self.format.scaled and self.device.type == "cpu" else None
         for values, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if ext is not None:  # one fused pass instead of a dozen tensor ops per layer and step
+                ext.quantize_into(x, slots, values[layer], scales[layer], self.format.qmax)
+                continue
             q, s = quantize(x, self.format)
             as_bytes(values[layer]).index_copy_(0, slots, as_bytes(q))
             if s is not None:

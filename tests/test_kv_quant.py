@@ -44,6 +44,27 @@ def test_round_trip_error_stays_within_half_a_step_of_each_format(name):
     assert torch.allclose(values.float().abs().amax(-1)[:, 1:3], torch.full((64, 2), fmt.qmax), rtol=2e-3)
 
 
+@pytest.mark.parametrize("name", EIGHT_BIT)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_quantizing_write_stores_exactly_what_the_pytorch_quantizer_computes(name, dtype):
+    """CPU pools quantize with the fused C++ kernel; GPUs and the fallback with PyTorch ops: the
+    same bits, so a pool's contents never depend on which path wrote them."""
+    from radixlm.kernels.cpu_ext import cpu_kernels
+
+    ext = cpu_kernels()
+    if ext is None:
+        pytest.skip("the C++ kernels could not be built here (no compiler)")
+    fmt = resolve_kv_format(name, torch.float32)
+    torch.manual_seed(1)
+    x = (torch.randn(40, 4, D) * torch.tensor([1e-6, 1e-3, 3.0, 0.0])[None, :, None]).to(dtype)
+    values, scales = quantize(x, fmt)
+    pool_values, pool_scales = torch.zeros(64, 4, D, dtype=fmt.dtype), torch.zeros(64, 4, dtype=torch.float16)
+    slots = torch.randperm(63)[:40] + 1
+    ext.quantize_into(x, slots, pool_values, pool_scales, fmt.qmax)
+    assert torch.equal(pool_values[slots].view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(pool_scales[slots], scales)
+
+
 def test_bytes_per_token_counts_the_scales_and_beats_fp32_and_bf16_by_the_promised_factors():
     layers, heads, dim = 30, 3, 64  # SmolLM2-135M
     fp32 = KVPool.bytes_per_token(layers, heads, dim, torch.float32)

@@ -10,6 +10,7 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, torch::Tensor scales, double qmax);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -18,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("init_out") = py::none(), py::arg("init_lse") = py::none(), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x (+ residual); returns (sum, normed)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("quantize_into", &quantize_into, "Quantize [T, Hkv, D] into an 8-bit pool at slots, with fp16 scales",
+        py::arg("x"), py::arg("slots"), py::arg("values"), py::arg("scales"), py::arg("qmax"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output", py::arg("gate_up"));
   m.def("rope", &rope, "Rotate-half rotary embedding with fp32 cos/sin [T, D/2]", py::arg("x"), py::arg("cos"),
         py::arg("sin"));

@@ -30,22 +30,28 @@ constexpr int BLOCK = 32;
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// fp8 -> fp32 through a 256-entry table, built once per format: cheaper than decoding the bits.
-template <typename F8>
-const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(F8(static_cast<uint8_t>(i), F8::from_bits()));
-    return t;
-  }();
-  return table.data();
+// fp8 -> fp32 by moving the exponent and mantissa bits into an fp32 and rescaling by the
+// difference of the exponent biases (2^(127-7) for e4m3, 2^(127-15) for e5m2); subnormal fp8
+// values land on fp32 subnormals and come out exact. Branch-free, so the loops vectorize.
+// (The pool never holds fp8 NaN or infinity: values are clamped when written.)
+template <int MANTISSA_SHIFT>
+inline float fp8_bits_to_float(uint8_t x, float bias_scale) {
+  const uint32_t magnitude = static_cast<uint32_t>(x & 0x7F) << MANTISSA_SHIFT;
+  float f;
+  std::memcpy(&f, &magnitude, sizeof(f));
+  f *= bias_scale;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits |= static_cast<uint32_t>(x & 0x80) << 24;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
 template <>
-inline float to_float(c10::Float8_e4m3fn x) { return fp8_table<c10::Float8_e4m3fn>()[x.x]; }
+inline float to_float(c10::Float8_e4m3fn x) { return fp8_bits_to_float<20>(x.x, 0x1p120f); }
 
 template <>
-inline float to_float(c10::Float8_e5m2 x) { return fp8_table<c10::Float8_e5m2>()[x.x]; }
+inline float to_float(c10::Float8_e5m2 x) { return fp8_bits_to_float<21>(x.x, 0x1p112f); }
 
 // The scale of (slot, head), or 1 for an unscaled pool.
 inline float scale_at(const c10::Half* scales, int64_t slot, int64_t kv_heads, int64_t h) {
@@ -74,7 +80,7 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
                  int64_t kv_heads, int64_t dim, int64_t table_stride, float scale) {
   const int64_t group = heads / kv_heads;
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group), vf(dim);
+    std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group), rowf(dim);  // rowf: one key or value row in fp32
     std::vector<float> kt(dim * BLOCK, 0.0f);  // lanes past a short last block stay finite
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads;
@@ -105,7 +111,8 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
         for (int64_t j = 0; j < nb; ++j) {  // the block's keys, transposed and scaled: kt[d][j]
           const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
           const float ks = scale_at(k_scale, slots[j0 + j], kv_heads, h);
-          for (int64_t d = 0; d < dim; ++d) kt[d * BLOCK + j] = to_float(kr[d]) * ks;
+          for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(kr[d]) * ks;
+          for (int64_t d = 0; d < dim; ++d) kt[d * BLOCK + j] = rowf[d];
         }
         for (int64_t g = 0; g < group; ++g) {  // scores along the keys: no horizontal sums
           const float* qg = qf.data() + g * dim;
@@ -140,12 +147,12 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
         for (int64_t j = 0; j < nb; ++j) {  // each value row converted once for the whole group
           const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
           const float vs = scale_at(v_scale, slots[j0 + j], kv_heads, h);
-          for (int64_t d = 0; d < dim; ++d) vf[d] = to_float(vr[d]);
+          for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(vr[d]);
           for (int64_t g = 0; g < group; ++g) {
             const float p = scores[g * BLOCK + j] * vs;
             float* ag = acc.data() + g * dim;
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * vf[d];
+            for (int64_t d = 0; d < dim; ++d) ag[d] += p * rowf[d];
           }
         }
       }
