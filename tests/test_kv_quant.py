@@ -138,6 +138,28 @@ def test_every_torch_backend_path_on_a_quantized_pool_equals_the_reference_on_th
     assert pool.k[0].dtype == pool.format.dtype and (pool.k_scale[0] is not None) == pool.format.scaled
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_cpp_kernel_reads_every_finite_fp8_value_exactly_subnormals_included(dtype):
+    """Attending to a single key returns its value row: each fp8 bit pattern, read by the kernel,
+    equals torch's own conversion."""
+    from radixlm.kernels.cpu_ext import cpu_kernels
+
+    ext = cpu_kernels()
+    if ext is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler)")
+    bits = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(dtype)
+    finite = bits[torch.isfinite(bits.float())]
+    rows = -(-len(finite) // D)
+    v = torch.zeros(rows * D, dtype=dtype)
+    v.view(torch.uint8)[: len(finite)] = finite.view(torch.uint8)
+    v = v.view(rows, 1, D)
+    k = torch.zeros(rows, 1, D, dtype=dtype)
+    ones = torch.ones(rows, 1, dtype=torch.float16)
+    table = torch.arange(rows, dtype=torch.int64)[:, None]
+    out, _ = ext.paged_decode(torch.randn(rows, 1, D), k, v, table, torch.arange(rows), torch.zeros(rows, dtype=torch.int64), torch.ones(rows, dtype=torch.int64), 1.0, None, None, ones, ones)
+    assert torch.equal(out[:, 0], v[:, 0].float())
+
+
 def test_the_cpp_kernel_refuses_an_8bit_pool_without_its_scales():
     from radixlm.kernels.cpu_ext import cpu_kernels
 

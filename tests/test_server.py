@@ -33,6 +33,13 @@ def _assert_clean(tiny_client) -> None:
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
+def test_server_info_reports_the_kv_cache_dtype_and_its_bytes_per_token(tiny_client):
+    info = tiny_client.get("/get_server_info").json()
+    assert info["kv_cache_dtype"] == "auto"  # the option as given
+    assert info["stats"]["kv_cache_dtype"] == "float32"  # what auto resolved to on this CPU
+    assert info["stats"]["kv_bytes_per_token"] > 0
+
+
 def test_native_generate_single_batch_and_stream(tiny_client):
     one = tiny_client.post("/generate", json={"text": "The quick brown", "sampling_params": GREEDY}).json()
     assert len(one["output_ids"]) == 6 and one["meta_info"]["finish_reason"]["type"] == "length"

@@ -30,28 +30,37 @@ constexpr int BLOCK = 32;
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
-// fp8 -> fp32 by moving the exponent and mantissa bits into an fp32 and rescaling by the
-// difference of the exponent biases (2^(127-7) for e4m3, 2^(127-15) for e5m2); subnormal fp8
-// values land on fp32 subnormals and come out exact. Branch-free, so the loops vectorize.
-// (The pool never holds fp8 NaN or infinity: values are clamped when written.)
-template <int MANTISSA_SHIFT>
-inline float fp8_bits_to_float(uint8_t x, float bias_scale) {
-  const uint32_t magnitude = static_cast<uint32_t>(x & 0x7F) << MANTISSA_SHIFT;
+// fp8 -> fp32 with integer ops only (no branch, no fp32 subnormal, so the loops vectorize and
+// never take a microcode assist: real keys have many values far below their head's largest).
+// A normal fp8 moves its exponent and mantissa bits into an fp32 and adds the difference of the
+// exponent biases (127 - 7 for e4m3, 127 - 15 for e5m2) to the exponent. A subnormal one
+// (exponent 0) is its mantissa over the smallest normal: 2^emin * (1 + m) - 2^emin. The pool
+// never holds fp8 NaN or infinity: values are clamped when written.
+template <int MANTISSA_BITS, int BIAS>
+inline float fp8_bits_to_float(uint8_t x) {
+  constexpr int SHIFT = 23 - MANTISSA_BITS;
+  constexpr uint32_t MIN_NORMAL_EXP = static_cast<uint32_t>(127 + 1 - BIAS) << 23;  // 2^(1 - BIAS)
+  const uint32_t magnitude = x & 0x7F;
+  const uint32_t normal_bits = (magnitude << SHIFT) + (static_cast<uint32_t>(127 - BIAS) << 23);
+  const uint32_t padded_bits = MIN_NORMAL_EXP | (magnitude << SHIFT);  // exponent 0 here: 2^emin * (1 + m)
+  float padded, min_normal;
+  std::memcpy(&padded, &padded_bits, sizeof(padded));
+  std::memcpy(&min_normal, &MIN_NORMAL_EXP, sizeof(min_normal));
+  const float subnormal = padded - min_normal;
+  uint32_t subnormal_bits;
+  std::memcpy(&subnormal_bits, &subnormal, sizeof(subnormal_bits));
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>((magnitude >> MANTISSA_BITS) == 0);  // all ones or zero
+  const uint32_t bits = (subnormal_bits & is_subnormal) | (normal_bits & ~is_subnormal) | (static_cast<uint32_t>(x & 0x80) << 24);
   float f;
-  std::memcpy(&f, &magnitude, sizeof(f));
-  f *= bias_scale;
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits |= static_cast<uint32_t>(x & 0x80) << 24;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
 
 template <>
-inline float to_float(c10::Float8_e4m3fn x) { return fp8_bits_to_float<20>(x.x, 0x1p120f); }
+inline float to_float(c10::Float8_e4m3fn x) { return fp8_bits_to_float<3, 7>(x.x); }
 
 template <>
-inline float to_float(c10::Float8_e5m2 x) { return fp8_bits_to_float<21>(x.x, 0x1p112f); }
+inline float to_float(c10::Float8_e5m2 x) { return fp8_bits_to_float<2, 15>(x.x); }
 
 // The scale of (slot, head), or 1 for an unscaled pool.
 inline float scale_at(const c10::Half* scales, int64_t slot, int64_t kv_heads, int64_t h) {
