@@ -103,6 +103,27 @@ def test_extend_is_causal_over_cached_prefix_and_new_tokens(group: int) -> None:
         torch.testing.assert_close(out[s : s + e], want, **TOL)
 
 
+def _backend_forward(backend, pool: KVPool, layer: int, qkv, table, rows, out_slots, prefixes, extends, num_decode: int) -> torch.Tensor:
+    """One attention layer of a batch (decode rows first) through ``backend``'s forward."""
+    q, k, v = qkv
+    num_tokens = int(out_slots.numel())
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefixes, extends)]),
+        out_slots=out_slots,
+        req_rows=rows,
+        prefix_lens=prefixes,
+        extend_lens=extends,
+        num_decode=num_decode,
+        logits_indices=torch.arange(num_tokens),
+        req_to_token=table,
+        kv_pool=pool,
+        attn_backend=backend,
+    )
+    backend.init_forward_metadata(batch)
+    return backend.forward(q, k, v, layer, batch)
+
+
 def test_backend_mixed_batch_matches_torch_backend_and_writes_pool() -> None:
     """Decode + extend rows through TritonAttentionBackend.forward equal TorchAttentionBackend's."""
     gen = torch.Generator().manual_seed(7)
@@ -120,21 +141,7 @@ def test_backend_mixed_batch_matches_torch_backend_and_writes_pool() -> None:
     q, k, v = (t.view(num_tokens, -1, HEAD_DIM) for t in (q, k, v))
 
     def run(backend, kv_pool: KVPool) -> torch.Tensor:
-        batch = ForwardBatch(
-            input_ids=torch.zeros(num_tokens, dtype=torch.int64),
-            positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefixes, extends)]),
-            out_slots=out_slots,
-            req_rows=rows,
-            prefix_lens=prefixes,
-            extend_lens=extends,
-            num_decode=3,
-            logits_indices=torch.arange(num_tokens),
-            req_to_token=table,
-            kv_pool=kv_pool,
-            attn_backend=backend,
-        )
-        backend.init_forward_metadata(batch)
-        return backend.forward(q, k, v, layer, batch)
+        return _backend_forward(backend, kv_pool, layer, (q, k, v), table, rows, out_slots, prefixes, extends, num_decode=3)
 
     torch_pool = KVPool(pool.num_slots, 2, num_kv, HEAD_DIM, torch.float32)
     for src, dst in zip(pool.k + pool.v, torch_pool.k + torch_pool.v):
@@ -253,21 +260,8 @@ def test_backend_mixed_batch_on_int8_pool_matches_reference_on_dequantized_pool(
     q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
     k, v = (torch.randn(num_tokens, num_kv, HEAD_DIM, generator=gen) for _ in range(2))
     backend = TritonAttentionBackend(min_split_tokens=16)  # the 21-token row takes 2 splits
-    batch = ForwardBatch(
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
-        positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefixes, extends)]),
-        out_slots=out_slots,
-        req_rows=rows,
-        prefix_lens=prefixes,
-        extend_lens=extends,
-        num_decode=2,
-        logits_indices=torch.arange(num_tokens),
-        req_to_token=table,
-        kv_pool=pool,
-        attn_backend=backend,
-    )
-    backend.init_forward_metadata(batch)
-    got = backend.forward(q, k, v, layer, batch).view(num_tokens, NUM_HEADS, HEAD_DIM)
+    got = _backend_forward(backend, pool, layer, (q, k, v), table, rows, out_slots, prefixes, extends, num_decode=2)
+    got = got.view(num_tokens, NUM_HEADS, HEAD_DIM)
     assert pool.k[layer].dtype == torch.int8
     k_new, _ = pool.read(layer, out_slots, torch.float32)
     torch.testing.assert_close(k_new, k, atol=0.03 * k.abs().max().item(), rtol=0)  # stored, quantized
