@@ -13,7 +13,8 @@ error, far under the 8-bit values' own.
   mapped onto [-448, 448] or [-57344, 57344].
 
 The pools keep these dtypes, but PyTorch's CPU indexing ops do not take float8 tensors, so
-gathers and writes go through a ``uint8`` view of the same bytes (``as_bytes``).
+gathers and writes go through a ``uint8`` view of the same bytes (``as_bytes``). ``PoolLayer``
+is one layer of a pool as the attention paths take it, and reads rows of it in any format.
 """
 
 from __future__ import annotations
@@ -116,3 +117,19 @@ def dequantize_rows(
     if isinstance(index, slice):
         return dequantize(values[index], None if scales is None else scales[index], dtype)
     return dequantize(gather(values, index), None if scales is None else scales.index_select(0, index), dtype)
+
+
+@dataclass
+class PoolLayer:
+    """One layer's K and V pool tensors and, for an 8-bit pool, their per-(slot, head) scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def read(self, index: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at ``index`` (slots or a slice of them) in ``dtype``: a view when nothing converts."""
+        if isinstance(index, slice) and self.k.dtype == dtype:
+            return self.k[index], self.v[index]
+        return dequantize_rows(self.k, self.k_scale, index, dtype), dequantize_rows(self.v, self.v_scale, index, dtype)

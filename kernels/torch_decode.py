@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.kernels.cpu_ext import cpu_kernels
-from radixlm.kernels.kv_quant import dequantize_rows
+from radixlm.kernels.kv_quant import PoolLayer
 from radixlm.radix_cache.pool import PAD_SLOT
 
 MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
@@ -114,22 +114,6 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
         scores = scores + bias
     lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
     return (torch.exp(scores.float() - lse) @ v.float()).to(q.dtype), lse
-
-
-@dataclass
-class PoolLayer:
-    """One layer's K and V pool tensors and, for an 8-bit pool, their per-(slot, head) scales."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-
-    def read(self, index: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at ``index`` (slots or a slice of them) in ``dtype``: a view when nothing converts."""
-        if isinstance(index, slice) and self.k.dtype == dtype:
-            return self.k[index], self.v[index]
-        return dequantize_rows(self.k, self.k_scale, index, dtype), dequantize_rows(self.v, self.v_scale, index, dtype)
 
 
 def _prefix_parts(qd: torch.Tensor, kv: PoolLayer, plan: DecodePlan, scale: float):

@@ -14,13 +14,7 @@ from __future__ import annotations
 import torch
 
 from radixlm.kernels.cpu_ext import cpu_kernels
-from radixlm.kernels.kv_quant import (
-    KVFormat,
-    as_bytes,
-    dequantize_rows,
-    quantize,
-    resolve_kv_format,
-)
+from radixlm.kernels.kv_quant import KVFormat, PoolLayer, as_bytes, quantize, resolve_kv_format
 
 PAD_SLOT = 0  # the slot padded (masked) positions read from
 
@@ -77,9 +71,11 @@ class KVPool:
 
     def read(self, layer: int, slots: torch.Tensor | slice, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values at ``slots`` of one layer, dequantized to ``dtype``."""
-        k = dequantize_rows(self.k[layer], self.k_scale[layer], slots, dtype)
-        v = dequantize_rows(self.v[layer], self.v_scale[layer], slots, dtype)
-        return k, v
+        return self.layer(layer).read(slots, dtype)
+
+    def layer(self, layer: int) -> PoolLayer:
+        """One layer's K and V tensors and their scales, as the attention kernels take them."""
+        return PoolLayer(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: KVFormat | str = "auto") -> int:

@@ -19,10 +19,12 @@ def _nested_any_of(depth: int, leaf: str) -> str:
 
 
 # Specs measured to run far past 1 s: outlines-core's index of these regexes never finished
-# in 20 s; llguidance builds these schemas for 3.7 s alone (longer when four run at once).
+# in 20 s; llguidance builds these schemas for 3.7 s alone (longer when two run at once). Two
+# llguidance builds, not four: the test waits for them all, and two show the same thing (the
+# cap of 16 running compiles is far away either way) in half the suite time.
 CATASTROPHIC = {
     "outlines": [("regex", f"({x}|{y})*{x}({x}|{y}){{20}}") for x, y in ("ab", "bc", "cd", "de")],
-    "llguidance": [("json_schema", _nested_any_of(11, leaf)) for leaf in ("integer", "string", "boolean", "number")],
+    "llguidance": [("json_schema", _nested_any_of(11, leaf)) for leaf in ("integer", "string")],
 }
 
 
@@ -47,8 +49,8 @@ def _backend(name: str, tiny_tokenizer):
     return LLGuidanceBackend(tok, vocab, ends)
 
 
-# The llguidance builds cannot be killed: the test waits for them (~15 s of CPU; 54 s measured
-# on a busy 2-core machine), hence "slow".
+# The llguidance builds cannot be killed: the test waits for them (~8 s of CPU; the four builds
+# this test had before took 74 s on a busy 2-core machine), hence "slow".
 @pytest.mark.parametrize("name", ["outlines", pytest.param("llguidance", marks=pytest.mark.slow)])
 def test_hung_compiles_time_out_and_a_simple_regex_still_compiles(name, tiny_tokenizer):
     backend = _backend(name, tiny_tokenizer)
@@ -56,8 +58,8 @@ def test_hung_compiles_time_out_and_a_simple_regex_still_compiles(name, tiny_tok
     try:
         hung = [compiler.submit(kind, spec) for kind, spec in CATASTROPHIC[name]]
         t0 = time.monotonic()
-        grammar = compiler.compile("regex", r"[0-9]{3}")  # must not wait behind the four
-        # fast, or (when the four hog both cores) back while they still run: it did not wait for them
+        grammar = compiler.compile("regex", r"[0-9]{3}")  # must not wait behind the hung ones
+        # fast, or (when the hung ones hog both cores) back while they still run: it did not wait for them
         assert time.monotonic() - t0 < 1.5 or compiler.running() >= 1
         assert grammar.matcher().error() is None
         assert not any(fut.done() and fut.exception() is None for fut in hung)
