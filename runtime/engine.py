@@ -12,6 +12,7 @@ final error output at once and ``is_alive`` turns False, so no waiter ever waits
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -19,6 +20,7 @@ import os
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,7 @@ from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllo
 from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.runtime.cache_control import check_cache_options
 from radixlm.runtime.constrained.compiler import GrammarCompiler
+from radixlm.runtime.faults import FatalEngineError
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
@@ -64,7 +67,7 @@ class EngineParts:
 
 def build_parts(args: ServerArgs) -> EngineParts:
     """Load the model and tokenizer and wire the KV memory and scheduler together."""
-    configure_threads(args.num_threads)
+    configure_threads(args.num_threads, share=args.tp_size)
     model_path = resolve_model_path(args.model_path)
     tokenizer = load_tokenizer(model_path, args.tokenizer_path)
     runner = ModelRunner(args, model_path)
@@ -108,6 +111,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._rid_counter = itertools.count()
         self._closed = False
+        self._at_exit: Callable[[], object] | None = None
         self._error: BaseException | None = None
         self._in_flight: dict[str, Req] = {}  # submitted, final output not yet delivered
         self._in_flight_lock = threading.Lock()
@@ -125,6 +129,10 @@ class Engine:
         # No token spells more characters than its vocabulary entry has, so a longer text than
         # this is over the context length for sure: refused before the (slow) tokenizer runs.
         self._max_text_chars = self.context_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+        if self.runner.tp_size > 1:  # stop the workers politely at exit, before multiprocessing kills them
+            ref = weakref.ref(self)
+            self._at_exit = lambda: (engine := ref()) is not None and engine.shutdown()
+            atexit.register(self._at_exit)
 
     # ------------------------------------------------------------- the loop
     def _run(self, ready: concurrent.futures.Future) -> None:
@@ -135,16 +143,18 @@ class Engine:
                 self._stopped = True
             ready.set_exception(exc)
             return
+        rt.runner.on_failure(lambda exc: self._inbox.put(("fatal", exc)))  # a worker died between steps
         ready.set_result(rt)
         message = "the engine is shutting down"
         try:
             self._loop(rt.scheduler)
-        except BaseException as exc:  # a bug outside any request's guard: end cleanly, loudly
-            logger.critical("the engine loop died", exc_info=True)
+        except BaseException as exc:  # a bug outside any request's guard, or a fatal error: end cleanly, loudly
+            logger.critical("the engine loop died", exc_info=not isinstance(exc, FatalEngineError))
             self._error = exc
             message = f"the engine stopped after an internal error: {exc}"
         finally:
             self._stop(rt.scheduler, message)
+            rt.runner.close()
 
     def _loop(self, sched: Scheduler) -> None:
         while True:
@@ -163,6 +173,8 @@ class Engine:
                     item = None
             try:
                 sched.step()
+            except FatalEngineError:
+                raise
             except Exception as exc:  # no request owns this error: fail what runs, keep serving
                 logger.exception("engine step failed")
                 self._error = exc
@@ -190,6 +202,8 @@ class Engine:
     @staticmethod
     def _handle(sched: Scheduler, item: tuple) -> None:
         kind, payload = item
+        if kind == "fatal":
+            raise payload
         if kind == "add":
             sched.add(payload)
         elif kind == "call":
@@ -209,6 +223,16 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed or self._stopped or not self._thread.is_alive():
             raise EngineError("the engine has been shut down" if self._closed else "the engine loop stopped")
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the loop has ended (shutdown or a fatal error); False on timeout."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        """What ended the loop, or the last step error it survived; None when all went well."""
+        return self._error
 
     def is_alive(self) -> bool:
         """True while the loop thread runs and takes requests."""
@@ -520,7 +544,9 @@ class Engine:
                 "num_waiting": len(s.waiting),
                 "max_total_tokens": self.runner.max_total_tokens,
                 "kv_cache_dtype": self.runner.kv_format.name,
-                "kv_bytes_per_token": self.runner.kv_bytes_per_token,
+                "kv_bytes_per_token": self.runner.kv_bytes_per_token,  # on rank 0 under tensor parallelism
+                "tp_size": self.runner.tp_size,
+                "tp_all_reduce_seconds": 0.0 if self.runner.group is None else self.runner.group.reduce_seconds,
                 "free_slots": self.kv.allocator.available_slots(),
                 "tree_slots": tree.total_size(),
                 "evictable_slots": tree.evictable_size(),
@@ -602,6 +628,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
         self._inbox.put(_STOP)
         self._thread.join(timeout=30)
         self.grammars.shutdown()

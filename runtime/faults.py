@@ -1,4 +1,6 @@
-"""Fault injection for tests: make chosen requests fail at a chosen stage of the engine loop.
+"""Failures: the error that ends the engine loop, and fault injection for tests.
+
+Fault injection makes chosen requests fail at a chosen stage of the engine loop.
 
 Off unless the engine is started with ``debug_fault_injection=True`` (``--debug-fault-injection``).
 A request whose rid starts with ``fault-<stage>-`` then fails at that stage; every other request
@@ -10,6 +12,13 @@ from __future__ import annotations
 import torch
 
 STAGES = ("admit", "grammar", "sample", "forward", "output", "nan")
+# ``fault-tp_worker-``: every tensor-parallel worker raises in that request's forward pass, which
+# ends the engine (not a per-request stage: without workers nothing fails)
+
+
+class FatalEngineError(RuntimeError):
+    """An error after which the engine cannot go on (a tensor-parallel peer died): it is not
+    retried per request; the loop ends and every waiter gets it."""
 
 
 class InjectedFault(RuntimeError):

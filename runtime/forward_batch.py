@@ -36,6 +36,7 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     attn_meta: Any = field(default=None)
+    inject_worker_fault: bool = False  # test only (--debug-fault-injection): tensor-parallel workers raise in this pass
 
     @property
     def batch_size(self) -> int:

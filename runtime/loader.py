@@ -9,12 +9,15 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from radixlm.runtime.disk_cache import entry_for, write_entry
+from radixlm.runtime.distributed.group import TPGroup
+from radixlm.runtime.distributed.sharding import TPShard, plan_shard
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.llama import LlamaForCausalLM
 
@@ -119,7 +122,11 @@ def _gguf_config(path: str, reader=None) -> ModelConfig:
 
 
 # ------------------------------------------------------------------ weights
-def _hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(path: str) -> Iterator[tuple[str, Any]]:
+    """``(name, lazy slice)`` of every tensor in the folder's safetensors files.
+
+    A slice reads from the file only the part indexed (``s[:]``, ``s[a:b]``, ``s[:, a:b]``), so
+    a tensor-parallel rank reads just its shard."""
     from safetensors import safe_open
 
     folder = Path(path)
@@ -135,7 +142,7 @@ def _hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         for file, key in tqdm(names, desc="Loading weights", unit="tensor", leave=False):
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt").__enter__()
-            yield key, handles[file].get_tensor(key)
+            yield key, handles[file].get_slice(key)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
@@ -191,7 +198,7 @@ def _gguf_weights(path: str, cfg: ModelConfig, reader) -> Iterator[tuple[str, to
         yield hf, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
 
 
-def _gguf_cached(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def _gguf_cached(path: str) -> tuple[ModelConfig, Iterator[tuple[str, Any]]]:
     """Config and weights of a GGUF file, dequantized once and kept in the disk cache."""
     entry = entry_for(path, "weights")
     if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
@@ -216,14 +223,26 @@ def _gguf_cached(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tens
 
 
 # -------------------------------------------------------------------- model
-def load_model(path: str, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for ``path`` on ``device`` in ``dtype`` and fill its weights."""
+def prepare_weights(path: str) -> None:
+    """Make sure a GGUF file's dequantized weights are in the disk cache (before several
+    tensor-parallel ranks read their shards of it at once)."""
+    if is_gguf(path):
+        _gguf_cached(path)
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, shard: TPShard | None = None, group: TPGroup | None = None
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model for ``path`` on ``device`` in ``dtype`` and fill its weights (only the
+    tensor-parallel ``shard``'s slices when given)."""
     if is_gguf(path):
         cfg, weights = _gguf_cached(path)
     else:
         cfg, weights = load_model_config(path), _hf_weights(path)
+    if shard is not None and shard != plan_shard(cfg, shard.rank, shard.size):
+        raise ValueError("the tensor-parallel shard was planned for another model")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, shard, group)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.rebuild(device)
     with torch.no_grad():

@@ -31,7 +31,7 @@ from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.tree import RadixCache
 from radixlm.runtime.cache_explain import CacheExplainer
 from radixlm.runtime.decoder import Decoder
-from radixlm.runtime.faults import FaultInjector
+from radixlm.runtime.faults import FatalEngineError, FaultInjector
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req, ReqOutput
@@ -336,8 +336,11 @@ class Scheduler:
             if self.faults is not None:
                 for row in rows:
                     self.faults.check(row.req.rid, "forward")
+                batch.inject_worker_fault = any(self.faults.wants(row.req.rid, "tp_worker") for row in rows)
             t0 = time.perf_counter()
             logits = self.runner.forward(batch)
+        except FatalEngineError:
+            raise
         except Exception as exc:
             if len(rows) == 1:
                 logger.exception("forward pass failed for request %s", rows[0].req.rid)

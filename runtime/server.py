@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -328,10 +329,21 @@ def run_server(ns) -> int:
             await super().shutdown(sockets)
 
     server = _Server(config)
+
+    def watch_engine() -> None:
+        # an engine that died (a tensor-parallel worker lost, a fatal loop error) ends the server
+        # with a non-zero exit, after every waiter got its error, so a supervisor can restart it
+        if engine.wait_stopped() and not state.shutting_down:
+            logger.critical("the engine stopped: %s; shutting the server down", engine.error)
+            died.set()
+            server.should_exit = True
+
+    died = threading.Event()
+    threading.Thread(target=watch_engine, name="radixlm-engine-watch", daemon=True).start()
     print(f"radixlm serving {engine.model_path} on http://{ns.host}:{ns.port}", flush=True)
     server.run()
     engine.shutdown()
-    return 0
+    return 1 if died.is_set() else 0
 
 
 async def _drain(state: ServerState, timeout: float, forced: Callable[[], bool]) -> None:

@@ -35,7 +35,9 @@ class ServerArgs:
     disable_cache_explain: bool = _opt(False, "Do not record who computed each cached prefix nor explain cache hits (for measuring its cost).")
     quantization: str | None = _opt(None, "Weight-only quantization on CPU: int8, int4 (group 32, like GGUF Q4_1), or int4_bf16 (int4 for small batches, a bf16 copy for large ones); default: none.", choices=[None, "int8", "int4", "int4_bf16"])
     attention_backend: str = _opt("auto", "auto, torch or triton.", choices=["auto", "torch", "triton"])
-    num_threads: int | None = _opt(None, "Torch intra-op threads on CPU; default: measured best for this machine (see README).")
+    num_threads: int | None = _opt(None, "Torch intra-op threads on CPU (per tensor-parallel rank); default: one per CPU, divided among the ranks.")
+    tp_size: int = _opt(1, "Tensor parallelism: split the model over this many processes (ranks), each with its share of the heads, MLP and vocabulary and of the KV pool; gloo on CPU, NCCL on CUDA (one GPU per rank). See README.")
+    tp_timeout: float = _opt(300.0, "Seconds a tensor-parallel collective may wait for a peer before the engine gives up on the group.")
     random_seed: int = _opt(0, "Seed of the sampler for requests without their own seed.")
     grammar_backend: str = _opt("llguidance", "Constrained-decoding backend: llguidance or outlines.", choices=["llguidance", "outlines"])
     grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
@@ -75,6 +77,12 @@ class ServerArgs:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
+        if self.tp_timeout <= 0:
+            raise ValueError(f"tp_timeout must be positive, got {self.tp_timeout}")
+        if self.tp_size > 1 and self.speculative_algorithm == "draft":
+            raise ValueError("speculative_algorithm='draft' does not run with tp_size > 1 yet (use 'ngram', which needs no draft model)")
         for name in ("context_length", "max_total_tokens", "num_threads"):
             v = getattr(self, name)
             if v is not None and v <= 0:

@@ -4,21 +4,30 @@ Differences inside the family are configuration: Qwen2 has q/k/v biases, SmolLM2
 output head to the embedding, Llama 3 scales RoPE frequencies, Mistral's sliding window caps the
 context length. Attention itself is delegated to the batch's attention backend, which reads the
 cached prefix through the slot table and writes the new tokens' KV into the pool.
+
+Under tensor parallelism (``shard`` and ``group`` given) each rank builds the same modules at its
+shard's sizes (see ``radixlm.runtime.distributed.sharding``) and sums the partial outputs of the
+row-parallel projections and of the vocabulary-parallel embedding with one all-reduce each.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.runtime.distributed.sharding import TPShard, shard_rows
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed.group import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -50,12 +59,15 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with fused q/k/v projection and RoPE."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads = cfg.num_heads if shard is None else shard.num_heads
+        self.num_kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.group = group
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
@@ -67,37 +79,41 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, rope)
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(out)
+        out = self.o_proj(batch.attn_backend.forward(q, k, v, self.layer_id, batch))
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size if shard is None else shard.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, projected back to the hidden size."""
         gate_up = self.gate_up_proj(x)
         ext = cpu_kernels() if gate_up.device.type == "cpu" and gate_up.dim() == 2 else None
         if ext is not None:
-            return self.down_proj(ext.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(ext.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks with residual connections."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, shard, group)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -126,22 +142,36 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM that runs flat token batches over the paged KV pool."""
+    """A Llama-family causal LM that runs flat token batches over the paged KV pool.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With a tensor-parallel ``shard``, the model holds only that rank's slices and
+    ``compute_logits`` returns the logits of its vocabulary slice."""
+
+    def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
-        self.config = cfg
+        self.config, self.shard, self.group = cfg, shard, group
+        vocab = cfg.vocab_size if shard is None else shard.vocab_size
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         # given weight storage: no random init (whose first call imports torch._dynamo, ~1.5 s)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, shard, group) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.head_fp32: torch.Tensor | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ``input_ids`` (summed over the ranks' vocabulary slices under TP)."""
+        if self.shard is None:
+            return self.embed_tokens(input_ids)
+        first, stop = self.shard.vocab
+        local = input_ids - first
+        inside = (local >= 0) & (local < stop - first)
+        x = self.embed_tokens(local.clamp(0, stop - first - 1)) * inside.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.group.all_reduce(x)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of the batch's new tokens."""
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         rope = self.rotary.table(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
@@ -170,14 +200,17 @@ class LlamaForCausalLM(nn.Module):
         """Copy Hugging Face-named tensors into this model's (partly fused) parameters."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        cfg = self.config
-        qkv_sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        for name, tensor in weights:
-            target, offset = self._target(name, qkv_sizes, cfg.intermediate_size)
+        cfg, shard = self.config, self.shard
+        attn = self.layers[0].self_attn
+        qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.layers[0].mlp.down_proj.in_features
+        for name, source in weights:
+            target, offset = self._target(name, qkv_sizes, inter)
             if target is None:
                 continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            tensor = _take(source, None if shard is None else shard_rows(shard, cfg, _module_of(name)))
             param = params[target]
             dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
             if dst.shape != tensor.shape:
@@ -211,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
                 offsets = [sum(qkv_sizes[:i]) for i in range(3)]
             elif name.endswith("gate_up_proj.weight"):
-                offsets = [0, self.config.intermediate_size]
+                offsets = [0, self.layers[0].mlp.down_proj.in_features]
             else:
                 offsets = [None]
             for off in offsets:
@@ -220,3 +253,21 @@ class LlamaForCausalLM(nn.Module):
                     break
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' …' if len(missing) > 5 else ''}")
+
+
+def _module_of(hf_name: str) -> str:
+    """``model.layers.3.mlp.down_proj.weight`` → ``mlp.down_proj``; ``model.embed_tokens.weight`` → ``embed_tokens``."""
+    m = _LAYER_NAME.match(hf_name)
+    if m:
+        return m.group(2)
+    return hf_name.removeprefix("model.").rsplit(".", 1)[0]
+
+
+def _take(source, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """The part of a checkpoint tensor (a tensor or a lazy safetensors slice) this rank keeps."""
+    if rows is None:
+        return source[:]
+    dim, start, stop = rows
+    if dim == 1 and len(source.get_shape() if hasattr(source, "get_shape") else source.shape) == 1:
+        raise ValueError("tensor parallelism cannot split a row-parallel projection's bias")
+    return source[start:stop] if dim == 0 else source[:, start:stop]

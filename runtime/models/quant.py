@@ -99,6 +99,6 @@ def quantize_model(model: nn.Module, mode: str) -> None:
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
     if getattr(model, "lm_head", None) is None:  # tied: the head is a quantized copy of the embedding
-        head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+        head = nn.Linear(model.config.hidden_size, model.embed_tokens.weight.shape[0], bias=False)
         head.weight = model.embed_tokens.weight
         model.lm_head = make(head)

@@ -1,0 +1,91 @@
+"""A tensor-parallel process group on torch.distributed (gloo on CPU, NCCL on CUDA).
+
+The group is built from its own ``TCPStore`` and process-group object rather than from
+``torch.distributed``'s process-wide default group, so one process can hold several engines (and
+tests can start and stop them) without global state. Rank 0 hosts the store on a free loopback
+port and hands the port to the workers it starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed.sharding import TPShard
+
+LOOPBACK = "127.0.0.1"
+IDLE_WAIT = datetime.timedelta(days=365)
+
+
+def open_store(size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (``store.port``)."""
+    return dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    """A worker's client of rank 0's store."""
+    return dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class TPGroup:
+    """The collectives a tensor-parallel model needs, with the time spent in them."""
+
+    def __init__(self, store: dist.TCPStore, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store, self.rank, self.size, self.device = store, rank, size, device
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupGloo(store, rank, size, opts)
+        self.reduce_seconds = 0.0
+        self.reduce_calls = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        self.pg.allreduce([x]).wait()
+        self.reduce_seconds += time.perf_counter() - t0
+        self.reduce_calls += 1
+        return x
+
+    def broadcast(self, x: torch.Tensor, idle: bool = False) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place; returns it.
+
+        ``idle``: a worker waiting for rank 0's next step, which may come after any pause, so
+        this one wait has no timeout (a dead rank 0 still ends it: its connection closes)."""
+        opts = dist.BroadcastOptions()
+        if idle:
+            opts.timeout = IDLE_WAIT
+        self.pg.broadcast([x], opts).wait()
+        return x
+
+    def gather_vocab(self, local: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor:
+        """The full ``[n, vocab]`` logits from every rank's ``[n, vocab slice]``.
+
+        Slices are padded to one width (the last rank's may be shorter) for the gather."""
+        pad = shard.vocab_per_rank - local.shape[1]
+        if pad:
+            local = torch.nn.functional.pad(local, (0, pad))
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        t0 = time.perf_counter()
+        self.pg.allgather([parts], [local.contiguous()]).wait()
+        self.reduce_seconds += time.perf_counter() - t0
+        return torch.cat(parts, dim=1)[:, :vocab_size]
+
+    def close(self) -> None:
+        """Release the process group's connections."""
+        try:
+            self.pg.shutdown()
+        except Exception:  # already broken: its peers are gone
+            pass
