@@ -34,8 +34,10 @@ import radixlm  # noqa: E402
 GPU_PLAN = """
 ## What the all-reduce figure means
 
-It is rank 0's wall time inside gloo calls: the transfer plus any wait for the other rank to
-reach the same collective (skew between two processes on two shared cores shows up here).
+It is rank 0's wall time inside gloo calls (the all-reduces and the logits gather): the
+transfer plus any wait for the other rank to reach the same collective (skew between two
+processes on two shared cores shows up here). The per-call figure divides it by the
+all-reduces only. The plan broadcast (header and payload) is timed apart.
 
 ## The GPU plan (not yet run on a GPU)
 
@@ -61,25 +63,32 @@ CONFIGS = [("tp=1, 1 thread", 1, 1), ("tp=1, 2 threads", 1, 2), ("tp=2, 1 thread
 BATCHES = (1, 32)
 
 
-def measure(engine: radixlm.Engine, batch: int, new_tokens: int) -> tuple[float, float]:
-    """Decode tokens/s after the first token, and rank 0's all-reduce ms per decode step."""
+def _group_counters(engine: radixlm.Engine) -> tuple[float, int, float]:
+    """Rank 0's seconds in all-reduce and gather, all-reduce calls, seconds broadcasting plans."""
+    group = engine.runner.group
+    return (0.0, 0, 0.0) if group is None else (group.reduce_seconds, group.reduce_calls, group.broadcast_seconds)
+
+
+def measure(engine: radixlm.Engine, batch: int, new_tokens: int) -> tuple[float, float, float, float]:
+    """Decode tokens/s after the first token, rank 0's all-reduce ms per decode step,
+    all-reduces per step, and the plan broadcast's µs per step."""
     prompts = [f"Request {i}: write a short story about the number {i}." for i in range(batch)]
     params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
     if batch == 1:
         first = None
-        reduce0 = engine.get_stats()["tp_all_reduce_seconds"]
+        before = _group_counters(engine)
         for _ in engine.generate(prompts[0], params, stream=True):
             first = first or time.perf_counter()
         steps = new_tokens - 1
     else:
         engine.generate(prompts, {**params, "max_new_tokens": 1})  # prefill now: the prompts are cached below
-        reduce0 = engine.get_stats()["tp_all_reduce_seconds"]
+        before = _group_counters(engine)
         first = time.perf_counter()
         engine.generate(prompts, params)  # one uncached token per row, then decode steps
         steps = new_tokens
     window = time.perf_counter() - first
-    reduce_ms = (engine.get_stats()["tp_all_reduce_seconds"] - reduce0) * 1000 / steps
-    return steps * batch / window, reduce_ms
+    reduce_s, calls, broadcast_s = (b - a for a, b in zip(before, _group_counters(engine)))
+    return steps * batch / window, reduce_s * 1000 / steps, calls / steps, broadcast_s * 1e6 / steps
 
 
 def main() -> None:
@@ -88,15 +97,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     ns = parser.parse_args()
-    best: dict[tuple[str, int], tuple[float, float]] = {}
+    best: dict[tuple[str, int], tuple[float, float, float]] = {}
     for _ in range(ns.rounds):
         for name, tp, threads in CONFIGS:
             with radixlm.Engine(tp_size=tp, num_threads=threads, max_total_tokens=8192) as engine:
                 engine.generate("warm up", {"max_new_tokens": 4})
                 for batch in BATCHES:
-                    tps, reduce_ms = measure(engine, batch, ns.new_tokens)
-                    if tps > best.get((name, batch), (0.0, 0.0))[0]:
-                        best[(name, batch)] = (tps, reduce_ms)
+                    result = measure(engine, batch, ns.new_tokens)
+                    if result[0] > best.get((name, batch), (0.0,))[0]:
+                        best[(name, batch)] = result
     cpu = torch.backends.cpu.get_cpu_capability()
     lines = [
         "# Tensor parallelism on CPU (gloo)",
@@ -105,13 +114,14 @@ def main() -> None:
         f"SmolLM2-135M-Instruct fp32, {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}, torch CPU capability "
         f"`{cpu}`), torch {torch.__version__}. Best of {ns.rounds} alternating rounds.",
         "",
-        "| configuration | batch | decode tokens/s | all-reduce ms / step |",
-        "|---|---:|---:|---:|",
+        "| configuration | batch | decode tokens/s | all-reduce + gather ms / step | all-reduces / step | µs / all-reduce | plan broadcast µs / step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, _, _ in CONFIGS:
         for batch in BATCHES:
-            tps, reduce_ms = best[(name, batch)]
-            lines.append(f"| {name} | {batch} | {tps:.1f} | {reduce_ms:.2f} |")
+            tps, reduce_ms, calls, plan_us = best[(name, batch)]
+            per_call = f"{reduce_ms * 1000 / calls:.0f}" if calls else "-"
+            lines.append(f"| {name} | {batch} | {tps:.1f} | {reduce_ms:.2f} | {calls:.0f} | {per_call} | {plan_us:.0f} |")
     write("\n".join(lines) + "\n" + GPU_PLAN, ns.out)
 
 

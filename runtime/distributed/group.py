@@ -47,8 +47,9 @@ class TPGroup:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
             opts._timeout = timeout
             self.pg = dist.ProcessGroupGloo(store, rank, size, opts)
-        self.reduce_seconds = 0.0
+        self.reduce_seconds = 0.0  # all-reduces and the logits gather
         self.reduce_calls = 0
+        self.broadcast_seconds = 0.0  # the batch plans
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it."""
@@ -67,7 +68,9 @@ class TPGroup:
         opts = dist.BroadcastOptions()
         if idle:
             opts.timeout = IDLE_WAIT
+        t0 = time.perf_counter()
         self.pg.broadcast([x], opts).wait()
+        self.broadcast_seconds += time.perf_counter() - t0
         return x
 
     def gather_vocab(self, local: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor:
