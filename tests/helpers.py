@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +112,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids) :].tolist()
 
 
+def hf_greedy_divergence(model, prompt_ids: list[int], output_ids: list[int]) -> int | None:
+    """Where ``output_ids`` first differs from transformers' greedy continuation of ``prompt_ids``
+    (``None``: nowhere), from one teacher-forced forward pass over prompt + output.
+
+    The argmax after prompt + output[:j] is transformers' greedy token j whenever output[:j] is
+    its greedy prefix, so by induction the first j whose argmax is not output[j] is exactly where
+    ``hf_greedy`` (one forward pass per token) would have diverged: the same check for a
+    fraction of the time.
+    """
+    assert prompt_ids and output_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt_ids) + list(output_ids)])).logits[0, len(prompt_ids) - 1 : -1]
+    greedy = logits.argmax(-1).tolist()
+    return next((j for j, (a, b) in enumerate(zip(greedy, output_ids)) if a != b), None)
+
+
 def load_hf_model(path: str):
     """The transformers model for a checkpoint folder or GGUF file, in fp32."""
     import os
@@ -119,8 +136,31 @@ def load_hf_model(path: str):
 
     if path.endswith(".gguf"):
         folder, name = os.path.split(path)
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
+        with _gguf_parsed_once():
+            return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32).eval()
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While transformers loads a GGUF: parse the file once, not twice, and build gguf's tensor-name
+    map once, not once per module (together ~30 s of pure Python for SmolLM2, of ~45 s).
+
+    transformers reads the file with ``gguf.GGUFReader`` for the config and again for the weights,
+    and ``get_gguf_hf_weights_map`` builds ``gguf.get_tensor_name_map(arch, n)`` for each of the
+    model's ~400 modules. Both are read-only and depend only on their arguments, so sharing them
+    gives the same model. Where a gguf version lacks either name, it is left as it is.
+    """
+    import functools
+    from unittest import mock
+
+    import gguf
+
+    patches = [mock.patch.object(gguf, name, functools.lru_cache(maxsize=None)(getattr(gguf, name))) for name in ("GGUFReader", "get_tensor_name_map") if hasattr(gguf, name)]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
 
 
 class Driver:
@@ -203,15 +243,18 @@ class ServerProcess:
         import httpx
 
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        # One client for all the polls: httpx.get builds one (an SSL context, ~0.1 s of CPU) per
+        # call, taken from the server starting up beside it.
+        with httpx.Client(timeout=2, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                try:
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.3)
         raise RuntimeError(f"server did not become healthy:\n{self.output()}")
 
     def output(self) -> str:

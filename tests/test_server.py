@@ -252,22 +252,33 @@ def test_api_key_is_required_when_set(keyed_server):
 
 def test_full_queue_answers_429_and_sigterm_drains(tiny_llama):
     srv = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--max-running-requests", "1", "--max-queued-requests", "1")
-    codes: list[int] = []
-    body = {"text": "x", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+    codes: dict[str, int] = {}
 
-    def post() -> None:
-        codes.append(httpx.post(srv.base_url + "/generate", json=body, timeout=120).status_code)
+    def post(name: str, max_new_tokens: int) -> None:
+        body = {"text": "x", "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        codes[name] = httpx.post(srv.base_url + "/generate", json=body, timeout=120).status_code
 
-    threads = [threading.Thread(target=post) for _ in range(4)]
-    for t in threads:
-        t.start()
-        time.sleep(0.2)
-    time.sleep(0.5)
+    def wait_for(what: str, cond) -> None:
+        deadline = time.monotonic() + 60
+        while not cond(httpx.get(srv.base_url + "/get_server_info", timeout=10).json()["stats"]):
+            assert time.monotonic() < deadline, f"{what} never happened"
+            time.sleep(0.05)
+
+    # One request runs (long: it must outlast the next steps), one waits in the queue (short: it
+    # only has to be queued), then the queue is full: two more are refused with 429.
+    threads = [threading.Thread(target=post, args=("running", 1000))]
+    threads[0].start()
+    wait_for("the first request running", lambda s: s["num_running"] == 1 and s["in_flight"] == 1)
+    threads.append(threading.Thread(target=post, args=("queued", 8)))
+    threads[1].start()
+    wait_for("the second request queued", lambda s: s["in_flight"] == 2)
+    post("refused 1", 8)
+    post("refused 2", 8)
     srv.proc.send_signal(signal.SIGTERM)  # drain: running requests finish, new ones are refused
     for t in threads:
         t.join()
     assert srv.proc.wait(timeout=60) == 0
-    assert 429 in codes and 200 in codes, codes
+    assert codes == {"running": 200, "queued": 200, "refused 1": 429, "refused 2": 429}, codes
     srv.log.close()
 
 

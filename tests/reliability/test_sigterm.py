@@ -77,7 +77,9 @@ def test_sigterm_under_load_finishes_running_streams_answers_new_requests_503_an
 
 
 def test_sigterm_past_the_drain_timeout_ends_every_running_stream_with_an_error_event(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--max-total-tokens", "16384", "--drain-timeout", "2")
+    # Room for all STREAMS at once (16 x 3000 x 0.7 new-token ratio ~ 34k tokens): with 16384,
+    # only 7 were admitted and the rest waited ~7 s for the ratio to decay before the SIGTERM.
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "40960", "--drain-timeout", "2")
     try:
         t = time.monotonic()
         results, late = asyncio.run(_sigterm_under_load(srv, max_new_tokens=3000))
