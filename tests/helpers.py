@@ -96,30 +96,14 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
     return str(folder)
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation from transformers' ``generate`` with EOS disabled."""
-    model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
 def hf_greedy_divergence(model, prompt_ids: list[int], output_ids: list[int]) -> int | None:
     """Where ``output_ids`` first differs from transformers' greedy continuation of ``prompt_ids``
     (``None``: nowhere), from one teacher-forced forward pass over prompt + output.
 
     The argmax after prompt + output[:j] is transformers' greedy token j whenever output[:j] is
     its greedy prefix, so by induction the first j whose argmax is not output[j] is exactly where
-    ``hf_greedy`` (one forward pass per token) would have diverged: the same check for a
-    fraction of the time.
+    transformers' greedy ``generate`` (one forward pass per token) would have diverged: the same
+    check for a fraction of the time.
     """
     assert prompt_ids and output_ids
     with torch.no_grad():

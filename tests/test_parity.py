@@ -118,7 +118,7 @@ SMOL_PROMPTS = [
 def smol_reference(smollm2_path):
     """The prompts' token ids and a check of outputs against transformers' greedy decoding.
 
-    ``hf_greedy`` takes ~4 s a prompt on SmolLM2 (one forward pass per token, bound by reading
+    transformers' greedy ``generate`` takes ~4 s a prompt on SmolLM2 (one forward pass per token, bound by reading
     the weights); a teacher-forced pass over prompt + output finds the same first divergence in
     ~0.4 s, and an output every scenario shares (all of them, when they pass) is checked once.
     """
