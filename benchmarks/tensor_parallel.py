@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import write  # noqa: E402
 
 import radixlm  # noqa: E402
+from radixlm.runtime.distributed.group import TPGroup, join_store, open_store  # noqa: E402
+
+LATENCY_CALLS = 1000
 
 GPU_PLAN = """
 ## What the all-reduce figure means
@@ -91,6 +94,34 @@ def measure(engine: radixlm.Engine, batch: int, new_tokens: int) -> tuple[float,
     return steps * batch / window, reduce_s * 1000 / steps, calls / steps, broadcast_s * 1e6 / steps
 
 
+def _latency_peer(port: int, numel: int) -> None:
+    torch.set_num_threads(1)
+    group = TPGroup(join_store(port, 2, 60), 1, 2, torch.device("cpu"), 60)
+    x = torch.ones(numel)
+    for _ in range(LATENCY_CALLS + 100):
+        group.all_reduce(x)
+
+
+def gloo_latency(numel: int) -> float:
+    """µs per gloo all-reduce of ``numel`` fp32 values between two processes, outside the model."""
+    import torch.multiprocessing as mp
+
+    store = open_store(2, 60)
+    peer = mp.get_context("spawn").Process(target=_latency_peer, args=(store.port, numel))
+    peer.start()
+    group = TPGroup(store, 0, 2, torch.device("cpu"), 60)
+    x = torch.ones(numel)
+    for _ in range(100):
+        group.all_reduce(x)
+    t0 = time.perf_counter()
+    for _ in range(LATENCY_CALLS):
+        group.all_reduce(x)
+    elapsed = time.perf_counter() - t0
+    peer.join()
+    group.close()
+    return elapsed / LATENCY_CALLS * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -106,6 +137,8 @@ def main() -> None:
                     result = measure(engine, batch, ns.new_tokens)
                     if result[0] > best.get((name, batch), (0.0,))[0]:
                         best[(name, batch)] = result
+    hidden = 576  # SmolLM2's hidden size: one decode row's all-reduce
+    latency = {rows: gloo_latency(rows * hidden) for rows in BATCHES}
     cpu = torch.backends.cpu.get_cpu_capability()
     lines = [
         "# Tensor parallelism on CPU (gloo)",
@@ -122,6 +155,8 @@ def main() -> None:
             tps, reduce_ms, calls, plan_us = best[(name, batch)]
             per_call = f"{reduce_ms * 1000 / calls:.0f}" if calls else "-"
             lines.append(f"| {name} | {batch} | {tps:.1f} | {reduce_ms:.2f} | {calls:.0f} | {per_call} | {plan_us:.0f} |")
+    lines += ["", "gloo all-reduce alone (two processes, 1 thread each, no model running), µs per call:", ""]
+    lines += [f"- `[{rows}, {hidden}]` fp32: {latency[rows]:.0f} µs" for rows in BATCHES]
     write("\n".join(lines) + "\n" + GPU_PLAN, ns.out)
 
 
