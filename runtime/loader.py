@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from radixlm.runtime.disk_cache import entry_for, write_entry
 from radixlm.runtime.distributed.group import TPGroup
-from radixlm.runtime.distributed.sharding import TPShard, plan_shard
+from radixlm.runtime.distributed.sharding import plan_shard
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.llama import LlamaForCausalLM
 
@@ -231,16 +231,18 @@ def prepare_weights(path: str) -> None:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, shard: TPShard | None = None, group: TPGroup | None = None
+    path: str, dtype: torch.dtype, device: torch.device, group: TPGroup | None = None, rank: int | None = None, size: int = 1
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for ``path`` on ``device`` in ``dtype`` and fill its weights (only the
-    tensor-parallel ``shard``'s slices when given)."""
+    """Build the model for ``path`` on ``device`` in ``dtype`` and fill its weights: only the
+    slices of tensor-parallel rank ``group.rank`` of ``group.size`` when a group is given (or of
+    ``rank`` of ``size``, to load a shard without a group)."""
     if is_gguf(path):
         cfg, weights = _gguf_cached(path)
     else:
         cfg, weights = load_model_config(path), _hf_weights(path)
-    if shard is not None and shard != plan_shard(cfg, shard.rank, shard.size):
-        raise ValueError("the tensor-parallel shard was planned for another model")
+    if group is not None:
+        rank, size = group.rank, group.size
+    shard = None if rank is None else plan_shard(cfg, rank, size)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, shard, group)
     model = model.to_empty(device=device).to(dtype)

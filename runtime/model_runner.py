@@ -77,13 +77,9 @@ class ModelRunner:
         """Plan the pool from the config, start the workers, join the group; returns the pool size."""
         cfg = load_model_config(model_path)
         size = self.args.tp_size
-        for rank in range(size):
-            plan_shard(cfg, rank, size)  # a model that cannot split is refused before anything starts
+        shards = [plan_shard(cfg, r, size) for r in range(size)]  # a model that cannot split is refused here
         kv_format = resolve_kv_format(self.args.kv_cache_dtype, self.dtype)
-        per_rank = [
-            KVPool.bytes_per_token(cfg.num_layers, plan_shard(cfg, r, size).num_kv_heads, cfg.head_dim, self.dtype, kv_format)
-            for r in range(size)
-        ]
+        per_rank = [KVPool.bytes_per_token(cfg.num_layers, s.num_kv_heads, cfg.head_dim, self.dtype, kv_format) for s in shards]
         # CPU ranks share the host's memory; each GPU rank has its own device
         pool_tokens = self._pool_size(sum(per_rank) if self.device.type == "cpu" else max(per_rank))
         prepare_weights(model_path)
@@ -92,12 +88,9 @@ class ModelRunner:
         return pool_tokens
 
     def _load(self, model_path: str, pool_tokens: int | None) -> None:
-        args, group = self.args, self.group
-        shard = None
-        if group is not None:
-            shard = plan_shard(load_model_config(model_path), group.rank, group.size)
-        self.shard = shard
-        self.model, self.config = load_model(model_path, self.dtype, self.device, shard, group)
+        args = self.args
+        self.model, self.config = load_model(model_path, self.dtype, self.device, self.group)
+        shard = self.shard = self.model.shard
         if args.quantization:
             quantize_model(self.model, args.quantization)
         elif self.dtype != torch.float32 and self.device.type == "cpu":

@@ -97,7 +97,7 @@ def test_each_rank_loads_exactly_its_slices_and_quantizes_them_with_the_full_mod
     down_sum = torch.zeros(5, cfg.hidden_size)
     for rank in range(2):
         shard = plan_shard(cfg, rank, 2)
-        model, _ = load_model(path, torch.float32, torch.device("cpu"), shard)
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), rank=rank, size=2)
         assert model.embed_tokens.weight.shape[0] == shard.vocab_size
         quantize_model(model, "int4")
         h, k = shard.heads, shard.kv_heads
@@ -258,6 +258,7 @@ def _children(pid: int) -> list[int]:
 
 def test_server_with_tp_2_serves_the_openai_client_and_exits_nonzero_when_a_worker_dies(tiny_llama):
     import openai
+
     from helpers import ServerProcess
 
     server = ServerProcess(tiny_llama, "--tp-size", "2", "--max-total-tokens", "2048", "--served-model-name", "tiny")
