@@ -45,10 +45,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_generate(ns: argparse.Namespace) -> int:
     """Run one generation and print it."""
-    from radixlm.runtime.engine import Engine
+    from radixlm.runtime.sampling_params import SamplingParams
 
     args = ServerArgs.from_cli(ns)
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k, "seed": ns.seed}
+    SamplingParams.from_dict(params)  # a bad option is refused before torch and the model load
+    from radixlm.runtime.engine import Engine
+
     with Engine(**vars(args)) as engine:
         prompt = ns.text
         if ns.chat:
