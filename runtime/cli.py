@@ -1,4 +1,5 @@
-"""The ``radixlm`` command: ``generate`` runs one prompt, ``serve`` starts the HTTP server,
+"""The ``radixlm`` command: ``generate`` runs one prompt, ``serve`` starts the HTTP server
+(``--dp-size N``: N of them behind the router), ``router`` routes over running servers,
 ``explain-cache`` prints a server's recent cache explanations."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     ServerArgs.add_cli_args(p)
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="Serve the model over HTTP (native /generate and OpenAI-compatible routes).",
@@ -40,7 +41,21 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024, help="Requests waiting beyond this are refused with 429 (default: 1024).")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="On SIGTERM, seconds to let running requests finish while new ones get 503; streams still running then end with an error event (default: 30).")
     p.add_argument("--served-model-name", default=None, help="Model name reported by /v1/models (default: from the model path).")
+    p.add_argument("--dp-size", type=int, default=1, help="Data parallelism: start this many engine servers (each on a loopback port, with its share of the CPU threads or one GPU each) behind the router on --host/--port (default: 1, a single server).")
+    p.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin", "shortest_queue"], help="With --dp-size > 1: how the router picks a server per request (default: cache_aware).")
     ServerArgs.add_cli_args(p)
+    return p
+
+
+def _router_parser(sub: argparse._SubParsersAction) -> None:
+    from radixlm.runtime.router.cli_args import add_router_args
+
+    p = sub.add_parser(
+        "router",
+        help="Route requests over several running servers (cache-aware), or a prefill/decode pair.",
+        description="Start the radixlm router: one HTTP front (the same routes as radixlm serve) over the engine servers given by --worker-urls, choosing a server per request; or, with --pd-disaggregation, over a prefill and a decode server.",
+    )
+    add_router_args(p)
 
 
 def run_generate(ns: argparse.Namespace) -> int:
@@ -75,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixlm", description="radixlm: a structured-generation runtime for LLM programs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
-    _serve_parser(sub)
+    serve_parser = _serve_parser(sub)
+    _router_parser(sub)
     explain_cli.add_parser(sub)
     ns = parser.parse_args(argv)
     # The library never configures logging; the command line does, for its own process.
@@ -85,6 +101,16 @@ def main(argv: list[str] | None = None) -> None:
             code = run_generate(ns)
         elif ns.command == "explain-cache":
             code = explain_cli.run(ns)
+        elif ns.command == "router":
+            from radixlm.runtime.router.launch import run_router
+
+            code = run_router(ns)
+        elif ns.dp_size != 1:
+            from radixlm.runtime.router.launch import run_dp
+
+            if ns.dp_size < 1:
+                raise ValueError(f"--dp-size must be >= 1, got {ns.dp_size}")
+            code = run_dp(ns, serve_parser)
         else:
             from radixlm.runtime.server import run_server
 

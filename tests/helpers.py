@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from fastapi import Request
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 
@@ -276,3 +277,165 @@ def grammar_backends(tok, vocab: int, ends: set[int]) -> dict:
     from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
 
     return {"llguidance": LLGuidanceBackend(tok, vocab, ends), "outlines": OutlinesBackend(tok, vocab, ends)}
+
+
+# ------------------------------------------------------------ in-process HTTP servers (router tests)
+def wait_until(condition: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``condition`` until it is true; fail after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class ServerThread:
+    """An ASGI app served by uvicorn in a background thread on a loopback port."""
+
+    def __init__(self, app, port: int = 0, lifespan: str = "on") -> None:
+        self.app, self.port, self.lifespan = app, port, lifespan
+        self.server = None
+        self.thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        """Serve (on the same port as before, if restarted) and wait until it listens."""
+        import threading
+
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan=self.lifespan, timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), 30, "uvicorn to start")
+        assert self.server.started, "uvicorn did not start"
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self, force: bool = True) -> None:
+        """Stop serving (the port refuses connections afterwards); ``force``: at once, as if
+        killed (no lifespan shutdown), else gracefully (open connections get 1 s)."""
+        if self.server is not None and self.thread.is_alive():
+            self.server.should_exit = True
+            self.server.force_exit = force
+            self.thread.join(timeout=30)
+            assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+class FakeWorker:
+    """A stand-in for ``radixlm serve``: records what it gets, answers by its settings (or by the
+    ``fake`` object of a request's body): ``status``, ``chunks``, ``delay`` between chunks,
+    ``break_after`` (chunks, then the connection breaks), ``hang`` (answer only once released),
+    ``answer_after`` (seconds before any answer, errors too)."""
+
+    def __init__(self, name: str) -> None:
+        import asyncio
+        import threading
+
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+        self.name = name
+        self.requests: list[tuple[str, dict]] = []
+        self.disconnects: list[str] = []  # paths whose client went away before the answer ended
+        self.status, self.health_status, self.chunks, self.delay, self.answer_after = 200, 200, 3, 0.0, 0.0
+        self.break_after: int | None = None
+        self.hang = False
+        self.release = threading.Event()  # ends every hang
+        self.flushes = 0
+        app = FastAPI()
+        self.http = ServerThread(app, lifespan="off")
+
+        def setting(body: dict, key: str):
+            return (body.get("fake") or {}).get(key, getattr(self, key))
+
+        @app.get("/health")
+        async def health():
+            return PlainTextResponse("", status_code=self.health_status)
+
+        async def hang_until_released(request: Request, path: str) -> bool:
+            """Wait for ``release``; True if the client went away first (recorded)."""
+            while not self.release.is_set():
+                if await request.is_disconnected():
+                    self.disconnects.append(path)
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        async def generate(request: Request):
+            body = await request.json()
+            path = request.url.path
+            self.requests.append((path, body))
+            await asyncio.sleep(setting(body, "answer_after"))
+            status = setting(body, "status")
+            if status != 200:
+                return JSONResponse({"object": "error", "message": f"{self.name} says {status}", "type": "X", "param": None, "code": status}, status_code=status)
+            if not body.get("stream"):
+                if setting(body, "hang") and await hang_until_released(request, path):
+                    return PlainTextResponse("", status_code=499)
+                return {"text": f"from {self.name}", "worker": self.name, "bootstrap_room": body.get("bootstrap_room")}
+
+            async def events():
+                done = False
+                try:
+                    if setting(body, "hang"):
+                        while not self.release.is_set():
+                            await asyncio.sleep(0.01)
+                    for i in range(setting(body, "chunks")):
+                        if setting(body, "break_after") == i:
+                            raise RuntimeError("the fake worker breaks the connection")
+                        yield f"data: {json.dumps({'text': f'{self.name}-{i}', 'worker': self.name})}\n\n"
+                        await asyncio.sleep(setting(body, "delay"))
+                    yield "data: [DONE]\n\n"
+                    done = True
+                finally:
+                    if not done:
+                        self.disconnects.append(path)
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+            app.add_api_route(path, generate, methods=["POST"])
+
+        @app.get("/metrics")
+        async def metrics():
+            return PlainTextResponse(f'# HELP radixlm_num_running_requests Running.\n# TYPE radixlm_num_running_requests gauge\nradixlm_num_running_requests {len(self.requests)}\n# HELP radixlm_requests_total Finished.\n# TYPE radixlm_requests_total counter\nradixlm_requests_total{{finish_reason="stop"}} 7\n')
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": f"model-{self.name}", "object": "model"}]}
+
+        @app.get("/get_server_info")
+        async def server_info():
+            return {"name": self.name}
+
+        @app.post("/flush_cache")
+        async def flush_cache():
+            self.flushes += 1
+            return PlainTextResponse("cache flushed")
+
+        @app.post("/abort_request")
+        async def abort_request(request: Request):
+            body = await request.json()
+            self.requests.append(("/abort_request", body))
+            return {"rid": body.get("rid"), "aborted": self.name == "a"}
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def paths(self) -> list[str]:
+        """The paths of the requests it got (generation and aborts), in order."""
+        return [p for p, _ in self.requests]
+
+    def start(self) -> FakeWorker:
+        self.http.start()
+        return self
+
+    def stop(self) -> None:
+        self.http.stop()
