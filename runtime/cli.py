@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         elif ns.command == "explain-cache":
             code = explain_cli.run(ns)
         elif ns.command == "router":
-            from radixlm.runtime.router.launch import run_router
+            from radixlm.runtime.router.run import run_router
 
             code = run_router(ns)
         elif ns.dp_size != 1:

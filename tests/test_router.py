@@ -198,13 +198,15 @@ def test_imbalance_falls_back_to_the_least_loaded_worker(fakes):
     prefix = "a very long shared prefix that every request starts with, "
     with router_over(fakes, balance_abs_threshold=2, balance_rel_threshold=1.5) as (url, state), ThreadPoolExecutor(4) as pool, httpx.Client(base_url=url, timeout=10) as c:
         held = []
-        for i in range(3):
-            held.append(_hold(url, {"text": prefix + str(i)}, pool))
-            wait_until(lambda n=i + 1: state.registry.workers[0].in_flight == n, what=f"{i + 1} requests held on a")
-        assert [p for p, _ in b.requests] == []
-        # a holds 3, b 0: 3 - 0 > 2 and 3 > 1.5 * 0, so the prefix no longer decides
-        assert _served_by(c.post("/generate", json={"text": prefix + "next"})) == "b"
-        a.release.set()
+        try:
+            for i in range(3):
+                held.append(_hold(url, {"text": prefix + str(i)}, pool))
+                wait_until(lambda n=i + 1: state.registry.workers[0].in_flight == n, what=f"{i + 1} requests held on a")
+            assert [p for p, _ in b.requests] == []
+            # a holds 3, b 0: 3 - 0 > 2 and 3 > 1.5 * 0, so the prefix no longer decides
+            assert _served_by(c.post("/generate", json={"text": prefix + "next"})) == "b"
+        finally:
+            a.release.set()
         assert all(f.result().status_code == 200 for f in held)
         wait_until(lambda: state.registry.workers[0].in_flight == 0, what="a's requests to finish")
         assert _served_by(c.post("/generate", json={"text": prefix + "0, again"})) == "a", "balanced again: the prefix decides"
@@ -214,9 +216,11 @@ def test_shortest_queue_sends_to_the_worker_with_fewest_in_flight(fakes):
     a, b = fakes
     with router_over(fakes, policy="shortest_queue") as (url, state), ThreadPoolExecutor(1) as pool, httpx.Client(base_url=url, timeout=10) as c:
         held = _hold(url, {"text": "x"}, pool)
-        wait_until(lambda: state.registry.workers[0].in_flight == 1, what="a request held on a")
-        assert [_served_by(c.post("/generate", json={"text": f"y{i}"})) for i in range(3)] == ["b", "b", "b"]
-        a.release.set()
+        try:
+            wait_until(lambda: state.registry.workers[0].in_flight == 1, what="a request held on a")
+            assert [_served_by(c.post("/generate", json={"text": f"y{i}"})) for i in range(3)] == ["b", "b", "b"]
+        finally:
+            a.release.set()
         assert held.result().status_code == 200
 
 
@@ -430,12 +434,14 @@ def test_end_to_end_over_two_in_process_engines(tiny_llama):
             again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
             assert first.choices[0].text == again.choices[0].text
             assert again.usage.prompt_tokens_details.cached_tokens > 0, "the repeat must reach the worker that cached it"
-            body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+            # the tiny model makes ~1000 tokens/s: the steps taken, not the time, tell an abort
+            steps = lambda: sum(e.get_stats()["forward_passes"] for e in engines)  # noqa: E731
+            before = steps()
+            body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
             with httpx.Client(timeout=30) as c, c.stream("POST", url + "/generate", json=body) as resp:
-                lines = resp.iter_lines()
-                assert next(lines).startswith("data:")
-                wait_until(lambda: sum(e.get_stats()["num_running"] for e in engines) == 1, 10, "the stream to be running")
-            wait_until(lambda: sum(e.get_stats()["num_running"] for e in engines) == 0, 20, "the disconnect to abort the request upstream")
+                assert next(resp.iter_lines()).startswith("data:")
+            wait_until(lambda: sum(e.get_stats()["num_running"] for e in engines) == 0, 30, "the request to end upstream")
+            assert steps() - before < 1000, f"the request ran on for {steps() - before} steps: the disconnect did not abort it upstream"
             for e in engines:
                 e.check_accounting()
     finally:
@@ -478,7 +484,24 @@ def test_serve_dp_size_2_serves_and_exits_cleanly_on_sigterm(tiny_llama):
         assert len(workers) == 2
         info = httpx.get(url + "/get_server_info", timeout=10).json()
         assert all(w["healthy"] for w in info["workers"]) and len(info["workers"]) == 2
-        proc.send_signal(signal.SIGTERM)
+        # a stream running at SIGTERM finishes (the workers drain); new requests get 503 meanwhile
+        lines: list[str] = []
+        body = {"text": "Once", "stream": True, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+
+        def read_stream() -> None:
+            with httpx.stream("POST", url + "/generate", json=body, timeout=60) as resp:
+                lines.extend(line for line in resp.iter_lines() if line)
+
+        with ThreadPoolExecutor(1) as pool:
+            streaming = pool.submit(read_stream)
+            wait_until(lambda: lines, 30, "the stream to start")
+            proc.send_signal(signal.SIGTERM)
+            refused = httpx.post(url + "/generate", json={"text": "late"}, timeout=10)
+            assert not streaming.done(), "the stream ended before the check: make it longer"
+            assert refused.status_code == 503 and "shutting down" in refused.json()["message"]
+            streaming.result(timeout=60)
+        assert lines[-1] == "data: [DONE]" and all("error" not in json.loads(line[6:]) for line in lines[:-1])
+        assert json.loads(lines[-2][6:])["meta_info"]["completion_tokens"] == 600
         assert proc.wait(timeout=60) == 0, log.seek(0) or log.read()
         assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a worker outlived the launcher"
     finally:

@@ -93,6 +93,18 @@ def _cuda_devices(device: str) -> list[str] | None:
     return [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
+def _die_with_parent():
+    """A preexec_fn that asks Linux to SIGTERM the child when the launcher dies (even killed);
+    None elsewhere. libc is looked up here, in the parent: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _python_m() -> list[str]:
     # -P: the working directory (maybe the repository root, whose kernels/ and runtime/ folders
     # would shadow installed packages) is not put on sys.path
@@ -109,6 +121,7 @@ def start_workers(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> li
     if devices is not None and len(devices) < n * tp:
         raise ValueError(f"--dp-size {n} x --tp-size {tp} needs {n * tp} GPUs, {len(devices)} visible")
     common = passed_options(ns, parser)
+    preexec = _die_with_parent()
     workers: list[WorkerProcess] = []
     try:
         for i in range(n):
@@ -117,7 +130,7 @@ def start_workers(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> li
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i * tp : (i + 1) * tp])
             cmd = [*_python_m(), "serve", *common, "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True, errors="replace")
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True, errors="replace", preexec_fn=preexec)
             w = WorkerProcess(i, port, proc)
             threading.Thread(target=_pump, args=(w,), name=f"radixlm-worker-{i}-log", daemon=True).start()
             workers.append(w)
@@ -174,7 +187,10 @@ def stop_workers(workers: list[WorkerProcess], timeout: float) -> None:
 def run_dp(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Start the workers, then serve the router until SIGTERM/SIGINT; the exit status."""
     stop = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    # ours until uvicorn installs its own (and again after it ends): a signal never kills this
+    # process while its workers run
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     workers = start_workers(ns, parser)
     try:
         _wait_or_stop(workers, stop)
@@ -185,15 +201,12 @@ def run_dp(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except BaseException:
         stop_workers(workers, timeout=10)
         raise
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
     if stop.is_set():
         stop_workers(workers, timeout=max(ns.drain_timeout + 10, 10))
         return 0
     config = RouterConfig(worker_urls=[w.url for w in workers], policy=ns.router_policy, api_key=ns.api_key)
     app = create_router_app(config)
-    group = _Group(workers, app.state.router)
+    group = _Group(workers, app.state.router, stop)
     server = _RouterServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=5), group)
     group.server = server
     threading.Thread(target=group.watch, name="radixlm-dp-watch", daemon=True).start()
@@ -231,8 +244,8 @@ def _wait_or_stop(workers: list[WorkerProcess], stop: threading.Event) -> None:
 class _Group:
     """The workers and the router's state: starts the shutdown, watches the processes."""
 
-    def __init__(self, workers: list[WorkerProcess], state) -> None:
-        self.workers, self.state = workers, state
+    def __init__(self, workers: list[WorkerProcess], state, stop: threading.Event) -> None:
+        self.workers, self.state, self.stop = workers, state, stop  # stop: a signal came outside uvicorn
         self.server: _RouterServer | None = None
         self.stopping = False
         self.died = False
@@ -256,8 +269,11 @@ class _Group:
         return all(w.proc.poll() is not None for w in self.workers)
 
     def watch(self) -> None:
-        """A worker that exits on its own stops the group; once all have exited, stop the router."""
+        """A worker that exits on its own (or a signal before uvicorn took them) stops the group;
+        once every worker has exited, stop the router."""
         while not self.all_exited():
+            if self.stop.is_set() and not self.stopping:
+                self.shutdown()
             for w in self.workers:
                 if w.proc.poll() is not None and not self.stopping:
                     logger.critical("worker %d exited on its own with status %s; shutting the group down", w.index, w.proc.returncode)
@@ -279,37 +295,3 @@ class _RouterServer(uvicorn.Server):
         # not appended to uvicorn's captured signals: it would raise it again at the end; the
         # router stops when the watcher sees every worker gone (a second SIGINT kills them)
         self.group.shutdown(force=self.group.stopping and sig == signal.SIGINT)
-
-
-def router_config(ns: argparse.Namespace) -> RouterConfig:
-    """The RouterConfig of ``radixlm router``'s options (checked)."""
-    config = RouterConfig(
-        worker_urls=list(ns.worker_urls), policy=ns.policy, cache_threshold=ns.cache_threshold,
-        balance_abs_threshold=ns.balance_abs_threshold, balance_rel_threshold=ns.balance_rel_threshold,
-        max_tree_chars=ns.max_tree_chars, health_check_interval=ns.health_check_interval, max_retries=ns.max_retries,
-        pd_disaggregation=ns.pd_disaggregation, prefill_url=ns.prefill, decode_url=ns.decode, api_key=ns.api_key,
-    )
-    config.validate()
-    return config
-
-
-def run_router(ns: argparse.Namespace) -> int:
-    """``radixlm router``: serve until SIGTERM/SIGINT, then stop taking requests (503), let
-    what runs finish (up to 30 s) and exit 0."""
-    config = router_config(ns)
-    app = create_router_app(config)
-    state = app.state.router
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
-            # (not appended to uvicorn's captured signals: it would raise it again, exiting -SIGTERM)
-            state.shutting_down = True
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            self.should_exit = True
-
-    server = Server(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=30))
-    targets = f"prefill {config.prefill_url}, decode {config.decode_url}" if config.pd_disaggregation else ", ".join(config.worker_urls)
-    print(f"radixlm router ({config.policy if not config.pd_disaggregation else 'pd'}) on http://{ns.host}:{ns.port} over {targets}", flush=True)
-    server.run()
-    return 0
