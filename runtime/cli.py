@@ -53,7 +53,7 @@ def _router_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "router",
         help="Route requests over several running servers (cache-aware), or a prefill/decode pair.",
-        description="Start the radixlm router: one HTTP front (the same routes as radixlm serve) over the engine servers given by --worker-urls, choosing a server per request; or, with --pd-disaggregation, over a prefill and a decode server.",
+        description="Start the radixlm router: one HTTP front (generation, models, health, metrics, cache flush, abort) over the engine servers given by --worker-urls, choosing a server per request; or, with --pd-disaggregation, over a prefill and a decode server.",
     )
     add_router_args(p)
 

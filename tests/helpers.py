@@ -348,6 +348,7 @@ class FakeWorker:
         self.hang = False
         self.release = threading.Event()  # ends every hang
         self.flushes = 0
+        self.metrics_auth: str | None = None  # the Authorization header of the last GET /metrics
         app = FastAPI()
         self.http = ServerThread(app, lifespan="off")
 
@@ -403,7 +404,8 @@ class FakeWorker:
             app.add_api_route(path, generate, methods=["POST"])
 
         @app.get("/metrics")
-        async def metrics():
+        async def metrics(request: Request):
+            self.metrics_auth = request.headers.get("authorization")
             return PlainTextResponse(f'# HELP radixlm_num_running_requests Running.\n# TYPE radixlm_num_running_requests gauge\nradixlm_num_running_requests {len(self.requests)}\n# HELP radixlm_requests_total Finished.\n# TYPE radixlm_requests_total counter\nradixlm_requests_total{{finish_reason="stop"}} 7\n')
 
         @app.get("/v1/models")

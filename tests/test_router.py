@@ -340,6 +340,20 @@ def test_info_routes_and_broadcasts(fakes):
         assert {"healthy", "in_flight", "tree_chars"} <= set(info["workers"][0])
 
 
+def test_an_api_key_is_required_of_clients_and_sent_on_the_routers_own_calls(fakes):
+    a, b = fakes
+    with router_over(fakes, api_key="k") as (url, state), httpx.Client(base_url=url, timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        for method, path in (("POST", "/generate"), ("GET", "/metrics"), ("GET", "/get_server_info")):
+            resp = c.request(method, path, json={"text": "x"})
+            assert resp.status_code == 401 and resp.json()["code"] == 401, path
+        assert a.requests == b.requests == []
+        key = {"Authorization": "Bearer k"}
+        assert c.post("/generate", json={"text": "x"}, headers=key).status_code == 200
+        assert c.get("/metrics", headers=key).status_code == 200
+        assert a.metrics_auth == b.metrics_auth == "Bearer k"
+
+
 # ------------------------------------------------------------ prefill/decode dispatch
 @contextlib.contextmanager
 def pd_router(fakes):
@@ -394,6 +408,16 @@ def test_pd_decode_error_cancels_prefill(fakes, stream):
         resp = c.post("/generate", json={"text": "hi", "stream": stream})
         assert resp.status_code == 400 and resp.json()["message"] == "b says 400"
         wait_until(lambda: prefill.disconnects == ["/generate"], 5, "the prefill call to be cancelled")
+
+
+def test_pd_refuses_while_a_worker_is_unhealthy(fakes):
+    prefill, decode = fakes
+    with pd_router(fakes) as (c, state):
+        decode.health_status = 503
+        wait_until(lambda: c.get("/health").status_code == 503, 10, "the router to see decode unhealthy")
+        resp = c.post("/generate", json={"text": "hi"})
+        assert resp.status_code == 503 and "decode worker" in resp.json()["message"]
+        assert prefill.requests == [] and decode.requests == []
 
 
 def test_pd_client_disconnect_cancels_both(fakes):

@@ -89,6 +89,9 @@ def _message(resp: Response) -> str:
 async def pd_forward(state: RouterState, request: Request, path: str, body: dict[str, Any]) -> Response:
     """Dispatch to the prefill and decode workers concurrently; answer with decode's response."""
     prefill_w, decode_w = state.registry.workers
+    for w in (prefill_w, decode_w):
+        if not w.healthy:
+            return error_response(503, f"the {'prefill' if w is prefill_w else 'decode'} worker {w.url} is unhealthy: {w.last_error}")
     body = {**body, "bootstrap_room": secrets.randbits(63)}
     stream = body.get("stream") is True
     headers = request_headers(request)
