@@ -77,6 +77,33 @@ class KVPool:
         """One layer's K and V tensors and their scales, as the attention kernels take them."""
         return PoolLayer(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
 
+    def _token_parts(self) -> list[torch.Tensor]:
+        """Every slot-indexed tensor (values, then scales, layer by layer) as a uint8 view."""
+        parts = [t for layer in range(self.num_layers) for t in (self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]) if t is not None]
+        return [t.view(torch.uint8).reshape(self.num_slots, -1) for t in parts]
+
+    def token_bytes(self) -> int:
+        """Bytes of one slot across all layers, scales included (a row of ``gather_tokens``)."""
+        return sum(t.shape[1] for t in self._token_parts())
+
+    def gather_tokens(self, slots: torch.Tensor) -> torch.Tensor:
+        """The raw bytes of ``slots`` in every layer: uint8 ``[len(slots), token_bytes]`` (for KV transfer)."""
+        parts = self._token_parts()
+        if slots.numel() == 0:
+            return torch.empty((0, sum(t.shape[1] for t in parts)), dtype=torch.uint8, device=self.device)
+        return torch.cat([t.index_select(0, slots) for t in parts], dim=1)
+
+    def scatter_tokens(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        """Write rows of ``gather_tokens`` (from a pool of the same layout) into ``slots``."""
+        parts = self._token_parts()
+        width = sum(t.shape[1] for t in parts)
+        if data.dtype != torch.uint8 or data.dim() != 2 or data.shape != (len(slots), width):
+            raise ValueError(f"KV rows must be uint8 [{len(slots)}, {width}], got {data.dtype} {list(data.shape)}")
+        col = 0
+        for t in parts:
+            t.index_copy_(0, slots, data[:, col : col + t.shape[1]])
+            col += t.shape[1]
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: KVFormat | str = "auto") -> int:
         """Bytes that one token's KV takes across all layers, scales included."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,6 +32,7 @@ from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllo
 from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.runtime.cache_control import check_cache_options
 from radixlm.runtime.constrained.compiler import GrammarCompiler
+from radixlm.runtime.disaggregation import Disaggregation, open_link_side
 from radixlm.runtime.faults import FatalEngineError
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
@@ -63,6 +65,7 @@ class EngineParts:
     kv: KVManager
     scheduler: Scheduler
     grammars: GrammarCompiler
+    pd: Disaggregation | None = None  # one side of a prefill/decode pair
 
 
 def build_parts(args: ServerArgs) -> EngineParts:
@@ -80,7 +83,8 @@ def build_parts(args: ServerArgs) -> EngineParts:
     end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
     scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids, tokenizer)
     grammars = make_grammar_compiler(args, tokenizer, runner.config.vocab_size, end_ids)
-    return EngineParts(args, model_path, tokenizer, runner, kv, scheduler, grammars)
+    pd = scheduler.attach_pd(open_link_side(args, runner)) if args.disaggregation_mode else None
+    return EngineParts(args, model_path, tokenizer, runner, kv, scheduler, grammars, pd)
 
 
 def make_grammar_compiler(args: ServerArgs, tokenizer, vocab_size: int, end_ids: set[int]) -> GrammarCompiler:
@@ -122,7 +126,7 @@ class Engine:
         self._thread.start()
         rt: EngineParts = ready.result()  # re-raises what went wrong while loading
         self.model_path, self.tokenizer, self.runner = rt.model_path, rt.tokenizer, rt.runner
-        self.kv, self.scheduler, self.grammars = rt.kv, rt.scheduler, rt.grammars
+        self.kv, self.scheduler, self.grammars, self.pd = rt.kv, rt.scheduler, rt.grammars, rt.pd
         self.config = self.runner.config
         self.context_len = self.runner.context_len
         self.end_ids = self.scheduler.end_ids
@@ -144,6 +148,8 @@ class Engine:
             ready.set_exception(exc)
             return
         rt.runner.on_failure(lambda exc: self._inbox.put(("fatal", exc)))  # a worker died between steps
+        if rt.pd is not None and rt.pd.role == "decode":  # received KV is stored on this thread
+            rt.pd.side.post = lambda fn: self._inbox.put(("call", (fn, concurrent.futures.Future())))
         ready.set_result(rt)
         message = "the engine is shutting down"
         try:
@@ -154,6 +160,8 @@ class Engine:
             message = f"the engine stopped after an internal error: {exc}"
         finally:
             self._stop(rt.scheduler, message)
+            if rt.pd is not None:
+                rt.pd.close()
             rt.runner.close()
 
     def _loop(self, sched: Scheduler) -> None:
@@ -264,6 +272,7 @@ class Engine:
         cache_ttl: float | None = None,
         retention: list[tuple[int, float]] | None = None,
         prediction: str | dict[str, Any] | None = None,
+        bootstrap_room: int | None = None,
     ) -> Req:
         """Validate one request and build its Req (raises ValueError naming the bad argument).
 
@@ -275,6 +284,9 @@ class Engine:
         ``prediction``: the output the client expects (a string, or OpenAI's ``{"type": "content",
         "content": ...}``); its tokens are proposed as speculative drafts, even when no
         ``speculative_algorithm`` is set. The output is the same with or without it.
+        ``bootstrap_room``: on one side of a prefill/decode pair, the id that pairs this request
+        with its other half (the router sets it): the prefill side only computes the prompt, the
+        decode side takes the prompt's KV from it.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -297,6 +309,7 @@ class Engine:
         if len(input_ids) + 1 > self.runner.max_total_tokens:
             raise ValueError(f"prompt is {len(input_ids)} tokens; the KV pool holds only {self.runner.max_total_tokens}")
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params, self.config.vocab_size)
+        params = self._check_bootstrap_room(bootstrap_room, params)
         if not isinstance(return_logprob, bool):
             raise ValueError("return_logprob must be a boolean")
         if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or top_logprobs_num < 0:
@@ -328,12 +341,27 @@ class Engine:
             prompt_cache_key=prompt_cache_key,
             return_cache_info=return_cache_info,
             retention=hints,
+            bootstrap_room=bootstrap_room,
         )
         if predicted:
             req.prediction_ids = self.tokenizer(predicted[: self._max_text_chars], add_special_tokens=False).input_ids[: self.context_len]
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
+
+    def _check_bootstrap_room(self, room: int | None, params: SamplingParams) -> SamplingParams:
+        """Validate ``bootstrap_room``; on the prefill side the request only computes its prompt."""
+        if room is None:
+            return params
+        if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
+            raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
+        if self.pd is None:
+            raise ValueError("bootstrap_room applies only to a server started with --disaggregation-mode prefill or decode")
+        if params.n != 1:
+            raise ValueError("bootstrap_room pairs one request: n must be 1")
+        if self.pd.role == "prefill":  # the decode side samples, checks stops and applies the constraint
+            params = dataclasses.replace(params, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None, ebnf=None)
+        return params
 
     def attach_grammar(self, req: Req) -> None:
         """Compile the request's constraint (off the loop thread) and give it a matcher."""
@@ -402,16 +430,18 @@ class Engine:
         prompt_cache_key: str | None = None,
         cache_ttl: float | None = None,
         prediction: str | dict[str, Any] | None = None,
+        bootstrap_room: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts.
 
         With ``sampling_params["n"] = k > 1`` a prompt gets k samples sharing its prompt's KV
         (sample j seeded ``seed + j``): a list of k dicts for one prompt, m*k for m prompts,
         prompt-major (prompt i's samples at i*k .. i*k+k-1). ``prediction`` (the expected output,
-        see ``make_request``) applies to every prompt of a batch.
+        see ``make_request``) applies to every prompt of a batch; ``bootstrap_room`` (see
+        ``make_request``) takes one prompt.
         """
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction, bootstrap_room=bootstrap_room)
         if stream:
             if batch or len(items) > 1:
                 raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
@@ -473,10 +503,11 @@ class Engine:
         prompt_cache_key: str | None = None,
         cache_ttl: float | None = None,
         prediction: str | dict[str, Any] | None = None,
+        bootstrap_room: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = self._split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction, bootstrap_room=bootstrap_room)
         if stream and (batch or len(items) > 1):
             raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
         loop = asyncio.get_running_loop()
@@ -550,13 +581,14 @@ class Engine:
                 "free_slots": self.kv.allocator.available_slots(),
                 "tree_slots": tree.total_size(),
                 "evictable_slots": tree.evictable_size(),
-                "running_slots": sum(r.kv.owned for r in s.running if r.kv is not None),
+                "running_slots": sum(r.kv.owned for r in s._held() if r.kv is not None),
                 "cache_hit_rate": tree.hit_rate(),
                 "forward_passes": s.forward_passes,
                 "total_retracted": s.total_retracted,
                 "retention_hits": tree.retention_hits,
                 "evictions_despite_hint": tree.evicted_despite_hint,
                 **s.speculator.stats(),
+                **(self.pd.stats() if self.pd is not None else {}),
             }
 
         return self._call(stats)
@@ -588,7 +620,7 @@ class Engine:
             "free_slots": self.kv.allocator.available_slots(),
             "tree_slots": tree.total_size(),
             "evictable_slots": tree.evictable_size(),
-            "running_slots": sum(r.kv.owned for r in s.running if r.kv is not None),
+            "running_slots": sum(r.kv.owned for r in s._held() if r.kv is not None),
             "query_tokens": tree.query_tokens,
             "hit_tokens": tree.hit_tokens,
             "output_tokens": s.output_tokens(),
@@ -615,7 +647,7 @@ class Engine:
         """Empty the radix cache (and speculation's recent outputs); False (nothing done) while requests are in flight."""
 
         def flush() -> bool:
-            if self.scheduler.has_work():
+            if not self.scheduler.idle():
                 return False
             self.kv.flush()
             self.scheduler.speculator.flush()  # recent outputs are cached text too

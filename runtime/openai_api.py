@@ -68,6 +68,7 @@ class _Plan:
     return_cache_info: bool = False
     retention: list[tuple[int, float]] = field(default_factory=list)  # (prefix tokens, ttl) per cache_control
     prediction: str | None = None  # the expected output (Predicted Outputs)
+    bootstrap_room: int | None = None  # pairs the halves of a disaggregated request
     id: str = field(default_factory=lambda: new_id("cmpl"))
 
 
@@ -137,7 +138,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         prompts.append(ids)
     texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     sampling = _sampling(state, body, body.max_tokens, max(len(x) for x in prompts))
-    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, prediction=_prediction(body))
+    return _Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, prediction=_prediction(body), bootstrap_room=body.bootstrap_room)
 
 
 def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
@@ -184,7 +185,7 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
 
 
 def _prediction(body) -> str | None:
@@ -238,6 +239,7 @@ async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
                     prompt_cache_key=plan.prompt_cache_key,
                     retention=plan.retention,
                     prediction=plan.prediction,
+                    bootstrap_room=plan.bootstrap_room,
                 )
             except APIError as err:
                 raise _field_error(err, plan) from None

@@ -79,6 +79,8 @@ class OutputBuilder:
             meta["rejected_prediction_tokens"] = req.prediction_draft_tokens - req.prediction_accepted_tokens
         if req.return_cache_info and req.cache_info is not None:
             meta["cache_info"] = req.cache_info
+        if req.pd_info is not None:
+            meta["pd"] = req.pd_info
         offsets = (0, 0)
         if req.return_logprob:
             log = self._logs.get(req)

@@ -25,6 +25,7 @@ NonNegInt = Annotated[StrictInt, Field(ge=0)]
 Number = StrictInt | StrictFloat
 Label = Annotated[str, Field(min_length=1, max_length=256)]  # program names, prompt_cache_key
 CacheTTL = Annotated[Number, Field(gt=0, le=86400)]  # seconds a retention hint asks for
+BootstrapRoom = Annotated[StrictInt, Field(ge=0, lt=2**63)]  # prefill/decode pairing id
 
 
 class _Lenient(BaseModel):
@@ -76,6 +77,7 @@ class GenerateRequest(BaseModel):
     prompt_cache_key: Label | None = None  # groups a session's requests
     cache_ttl: CacheTTL | None = None  # soft retention hint for the whole prompt, in seconds
     prediction: str | Prediction | None = None  # expected output: proposed as speculative drafts
+    bootstrap_room: BootstrapRoom | None = None  # pairs the halves of a disaggregated request (router-set)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -216,6 +218,7 @@ class _SamplingFields(_Lenient):
     prompt_cache_key: Label | None = None  # OpenAI's session grouping key (shown in cache explanations)
     return_cache_info: StrictBool = False  # each choice gains cache_info (via extra_body)
     prediction: Prediction | None = None  # Predicted Outputs: proposed as speculative drafts
+    bootstrap_room: BootstrapRoom | None = None  # pairs the halves of a disaggregated request (router-set)
 
 
 class CompletionRequest(_SamplingFields):

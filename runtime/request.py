@@ -113,6 +113,8 @@ class Req:
     return_cache_info: bool = False  # put the cache explanation in meta_info
     retention: list[tuple[int, float]] = field(default_factory=list)  # (prefix tokens, ttl s) hints
     cache_info: dict[str, Any] | None = None  # the cache explanation, built at first admission
+    bootstrap_room: int | None = None  # pairs the prefill and decode halves of a disaggregated request
+    pd_info: dict[str, Any] | None = None  # what its KV hand-over moved (decode side)
 
     @property
     def fill_ids(self) -> list[int]:

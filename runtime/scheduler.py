@@ -31,6 +31,7 @@ from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.tree import RadixCache
 from radixlm.runtime.cache_explain import CacheExplainer
 from radixlm.runtime.decoder import Decoder
+from radixlm.runtime.disaggregation import Disaggregation
 from radixlm.runtime.faults import FatalEngineError, FaultInjector
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
@@ -86,6 +87,12 @@ class Scheduler:
         self.finished_output_tokens = 0  # output tokens of ended requests (for tokens/s)
         self.prefill_tokens = 0  # prompt tokens computed, all steps
         self.speculator = Speculator(args, runner, tokenizer, kv)
+        self.pd: Disaggregation | None = None  # the prefill/decode hand-over (attach_pd)
+
+    def attach_pd(self, side) -> Disaggregation:
+        """Make this scheduler one side of a prefill/decode pair over ``side``'s KV link."""
+        self.pd = Disaggregation(self, side)
+        return self.pd
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -96,11 +103,25 @@ class Scheduler:
             logger.exception("request %s failed on admission", req.rid)
             self._finish(req, FinishReason.failure(f"admission failed: {exc}"))
             return
+        if self.pd is not None:
+            try:
+                self.pd.on_add(req)
+            except Exception as exc:
+                self._finish(req, FinishReason.failure(f"the KV link to the prefill worker is down: {exc}", 503))
+                return
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        """True while any request waits or runs."""
+        """True while any request waits or runs (not counting those waiting for a KV hand-over)."""
         return bool(self.waiting or self.running)
+
+    def idle(self) -> bool:
+        """True when no request holds or waits for KV."""
+        return not self.has_work() and not (self.pd is not None and self.pd.receiving)
+
+    def _held(self) -> list[Req]:
+        """Requests holding KV: the running ones and those receiving a hand-over."""
+        return self.running + (self.pd.requests() if self.pd is not None else [])
 
     def abort(self, rid: str) -> bool:
         """Mark a request for abortion at the next step; False if it is unknown."""
@@ -108,11 +129,11 @@ class Scheduler:
             if req.rid == rid and req.finish is None:
                 req.abort_requested = True
                 return True
-        return False
+        return self.pd is not None and self.pd.abort(rid)
 
     def abort_all(self, message: str, status: int | None = None) -> None:
         """End every request, e.g. at shutdown (``status``: the error it maps to, if any)."""
-        for req in self.waiting + self.running:
+        for req in self.waiting + self._held():
             req.abort_requested = True
         self._drop_aborted(message, status)
 
@@ -143,6 +164,8 @@ class Scheduler:
         for req in [r for r in self.running if r.abort_requested]:
             self.running.remove(req)
             self._finish(req, FinishReason("abort", message=message, status=status))
+        if self.pd is not None:
+            self.pd.drop_aborted(message, status)
 
     def _fail(self, req: Req, message: str) -> None:
         """Take a request out of the queues and end it with an error."""
@@ -228,6 +251,10 @@ class Scheduler:
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
                 break
+            if self.pd is not None and self.pd.takes(req):
+                if not self.pd.admit(req):  # its KV comes from the prefill worker: no compute here
+                    break
+                continue
             prefix_slots, node = self.kv.match(req.cache_ids, req.max_cacheable_prefix())
             if self._shares_in_batch(in_batch, req, len(prefix_slots)):
                 continue
@@ -381,6 +408,13 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """End a request: free (and, unless it failed, cache) its KV and send its final output."""
         req.finish = reason
+        hand_over = None
+        if self.pd is not None:
+            try:
+                hand_over = self.pd.prepare(req, reason)  # copies the KV out before it is released
+            except Exception as exc:
+                logger.exception("preparing the KV hand-over of request %s failed", req.rid)
+                req.finish = reason = FinishReason.failure(f"preparing the KV hand-over failed: {exc}")
         self.finished_output_tokens += len(req.output_ids)
         self.speculator.drop_drafts(req)
         try:
@@ -407,7 +441,10 @@ class Scheduler:
             req.finish = FinishReason.failure(f"building the output failed: {exc}")
             out = ReqOutput(req.rid, req.text, list(req.output_ids), {"id": req.rid, "finish_reason": req.finish.to_dict()}, True)
         try:
-            req.sink(out)
+            if hand_over is not None:
+                self.pd.hand_over(hand_over, out, req.sink)
+            else:
+                req.sink(out)
         except Exception:
             logger.exception("delivering the output of request %s failed", req.rid)
 
@@ -443,5 +480,5 @@ class Scheduler:
 
     def check_accounting(self, full: bool = True) -> None:
         """Assert the KV invariant: free + tree + running-owned slots = pool size."""
-        self.kv.check_accounting([r.kv for r in self.running if r.kv is not None], full)
+        self.kv.check_accounting([r.kv for r in self._held() if r.kv is not None], full)
         assert all(r.kv is None for r in self.waiting), "a waiting request holds KV"

@@ -251,6 +251,7 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
                 prompt_cache_key=body.prompt_cache_key,
                 cache_ttl=body.cache_ttl,
                 prediction=body.prediction,
+                bootstrap_room=body.bootstrap_room,
             )
         if body.stream:
             response = stream_response(_native_events(ticket), ticket.close)

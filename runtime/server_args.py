@@ -11,6 +11,14 @@ if TYPE_CHECKING:
     import torch
 
 
+def parse_bootstrap(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``HOST:PORT`` bootstrap address (ValueError naming the option otherwise)."""
+    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"disaggregation_bootstrap must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
 def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
@@ -46,6 +54,9 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _opt(4, "Most tokens proposed per request per step (1-16); each is one more position in the verifying pass.")
     speculative_draft_model_path: str | None = _opt(None, "With --speculative-algorithm draft: folder or .gguf of a smaller model with the same tokenizer; default: the target's own weights quantized (self-speculation).")
     speculative_draft_quantization: str | None = _opt(None, "With --speculative-algorithm draft: quantize the draft model's weights to int8 or int4 (default for a self-draft: int4).", choices=[None, "int8", "int4"])
+    disaggregation_mode: str | None = _opt(None, "Prefill/decode disaggregation: prefill (compute prompts and hand their KV to a decode worker) or decode (take prompts' KV from a prefill worker, then decode); requests join a pair through radixlm router --pd-disaggregation. Default: off (one engine does both).", choices=[None, "prefill", "decode"])
+    disaggregation_bootstrap: str | None = _opt(None, "With --disaggregation-mode: HOST:PORT of the KV link; the prefill worker listens there, the decode worker connects there.")
+    disaggregation_timeout: float = _opt(60.0, "Seconds one side of a prefill/decode pair waits for the other's half of a request before failing it.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
     debug_fault_injection: bool = _opt(False, "Test only: a request whose rid starts with fault-<stage>- fails at that stage (admit, grammar, sample, forward, output, nan).")
@@ -94,6 +105,7 @@ class ServerArgs:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._validate_speculative()
+        self._validate_disaggregation()
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -107,6 +119,19 @@ class ServerArgs:
             for name in ("speculative_draft_model_path", "speculative_draft_quantization"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies only with speculative_algorithm='draft' (got speculative_algorithm={self.speculative_algorithm!r})")
+
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_mode is None:
+            if self.disaggregation_bootstrap is not None:
+                raise ValueError("disaggregation_bootstrap applies only with disaggregation_mode prefill or decode")
+            return
+        if self.disaggregation_bootstrap is None:
+            raise ValueError(f"disaggregation_mode={self.disaggregation_mode!r} needs disaggregation_bootstrap (HOST:PORT of the KV link)")
+        parse_bootstrap(self.disaggregation_bootstrap)
+        if self.tp_size > 1:
+            raise ValueError("disaggregation_mode does not run with tp_size > 1 yet (each rank holds part of the KV)")
+        if self.disaggregation_timeout <= 0:
+            raise ValueError(f"disaggregation_timeout must be positive, got {self.disaggregation_timeout}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
