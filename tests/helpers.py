@@ -320,9 +320,18 @@ class ServerThread:
     def stop(self, force: bool = True) -> None:
         """Stop serving (the port refuses connections afterwards); ``force``: at once, as if
         killed (no lifespan shutdown), else gracefully (open connections get 1 s)."""
-        if self.server is not None and self.thread.is_alive():
+        self.begin_stop(force)
+        self.join()
+
+    def begin_stop(self, force: bool = True) -> None:
+        """Ask it to stop, without waiting (stop several at once, then ``join`` each)."""
+        if self.server is not None:
             self.server.should_exit = True
             self.server.force_exit = force
+
+    def join(self) -> None:
+        """Wait until it has stopped."""
+        if self.thread is not None:
             self.thread.join(timeout=30)
             assert not self.thread.is_alive(), "uvicorn did not stop"
 

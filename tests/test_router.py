@@ -143,7 +143,9 @@ def fakes():
     yield workers
     for w in workers:
         w.release.set()
-        w.stop()
+        w.http.begin_stop()
+    for w in workers:
+        w.http.join()
 
 
 @contextlib.contextmanager
@@ -437,6 +439,20 @@ def test_the_router_command_imports_neither_torch_nor_the_engine():
     assert not {m for m in imported if m == "torch" or m.startswith("torch.") or m == "radixlm.runtime.engine"}
     code = "import sys, radixlm.runtime.router.app, radixlm.runtime.router.launch; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'radixlm.runtime.engine'))"
     assert subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60).stdout.strip() == "[]"
+
+
+def test_serve_dp_passes_every_other_option_to_its_workers():
+    import argparse
+
+    from radixlm.runtime import cli
+    from radixlm.runtime.router.launch import passed_options
+
+    parser = argparse.ArgumentParser()
+    serve = cli._serve_parser(parser.add_subparsers(dest="command"))
+    argv = ["serve", "--dp-size", "2", "--port", "9", "--host", "0.0.0.0", "--model-path", "m", "--max-total-tokens", "2048", "--disable-radix-cache", "--api-key", "k", "--drain-timeout", "5"]
+    args = passed_options(parser.parse_args(argv), serve)
+    assert args == ["--api-key", "k", "--drain-timeout", "5.0", "--model-path", "m", "--max-total-tokens", "2048", "--disable-radix-cache"]
+    assert serve.parse_args(args).max_total_tokens == 2048, "what the workers get must parse back"
 
 
 # ------------------------------------------------------------ end to end over real engines
