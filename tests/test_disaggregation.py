@@ -7,12 +7,15 @@ processes. Every engine checks its KV accounting after each step (conftest).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import queue
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from radixlm.runtime.engine import Engine
@@ -251,3 +254,66 @@ def test_pd_threads_end_with_their_engines(tiny_llama):
     decode.shutdown()
     prefill.shutdown()
     wait_for(lambda: not ({t.name for t in threading.enumerate()} - before) & {"radixlm-kv-send", "radixlm-kv-recv"}, 30, "the link threads to end")
+
+
+# ------------------------------------------------------------ through HTTP and the router
+@contextlib.contextmanager
+def pd_stack(engines):
+    """The pair and the single engine served over HTTP, and a --pd-disaggregation router in front."""
+    from helpers import ServerThread
+
+    from radixlm.runtime.router.app import create_router_app
+    from radixlm.runtime.router.config import RouterConfig
+    from radixlm.runtime.server import create_app
+
+    prefill, decode, single = engines
+    servers = [ServerThread(create_app(e, served_model_name="tiny"), lifespan="off").start() for e in engines]
+    router_app = create_router_app(RouterConfig(pd_disaggregation=True, prefill_url=servers[0].url, decode_url=servers[1].url, health_check_interval=0.2))
+    router = ServerThread(router_app).start()
+    try:
+        yield router.url, servers[2].url
+    finally:
+        router.stop(force=False)
+        for s in servers:
+            s.stop(force=False)
+
+
+def test_pd_through_the_router_matches_a_single_server_streamed_or_not(engines):
+    import jsonschema
+    import openai
+
+    with pd_stack(engines) as (router_url, single_url):
+        pd = openai.OpenAI(base_url=router_url + "/v1", api_key="none", max_retries=0)
+        one = openai.OpenAI(base_url=single_url + "/v1", api_key="none", max_retries=0)
+        messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Name a prime number."}]
+        kw = dict(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        ref = one.chat.completions.create(**kw)
+        got = pd.chat.completions.create(**kw)
+        assert got.choices[0].message.content == ref.choices[0].message.content
+        assert got.usage.prompt_tokens == ref.usage.prompt_tokens and got.usage.completion_tokens == ref.usage.completion_tokens
+        again = pd.chat.completions.create(**kw)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0, "the decode side's own radix tree holds the repeat"
+        streamed = "".join(c.choices[0].delta.content or "" for c in pd.chat.completions.create(**kw, stream=True) if c.choices)
+        assert streamed == ref.choices[0].message.content
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        out = pd.chat.completions.create(**{**kw, "max_tokens": 40}, response_format=fmt)
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert_clean(*engines)
+
+
+def test_pd_client_disconnect_through_the_router_aborts_both_halves(engines):
+    prefill, decode, _ = engines
+    with pd_stack(engines) as (router_url, _):
+        before = decode.get_stats()["forward_passes"]
+        body = {"text": "Once upon a time", "stream": True, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+        with httpx.Client(timeout=30) as c, c.stream("POST", router_url + "/generate", json=body) as resp:
+            assert resp.status_code == 200
+            assert next(resp.iter_lines()).startswith("data:")
+        wait_for(lambda: decode.get_stats()["num_running"] == 0, 30, "the decode half to end")
+        assert decode.get_stats()["forward_passes"] - before < 1000, "the disconnect did not abort the decode half"
+        # a prefill half that fails reaches the client as its error, and the decode half ends
+        r = httpx.post(router_url + "/generate", json={"text": "Once upon a time", "rid": "fault-forward-pd", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code in (500, 502) and "forward pass failed" in r.json()["message"], r.text  # whichever side answers first
+        wait_for(lambda: decode.get_stats()["pd_receiving"] == 0, 30, "the decode half to be freed")
+    assert_clean(prefill, decode)
