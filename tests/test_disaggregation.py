@@ -261,7 +261,6 @@ def test_pd_threads_end_with_their_engines(tiny_llama):
 def pd_stack(engines):
     """The pair and the single engine served over HTTP, and a --pd-disaggregation router in front."""
     from helpers import ServerThread
-
     from radixlm.runtime.router.app import create_router_app
     from radixlm.runtime.router.config import RouterConfig
     from radixlm.runtime.server import create_app
