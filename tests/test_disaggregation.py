@@ -115,7 +115,8 @@ def test_pd_decode_abort_while_waiting_for_kv_frees_its_slots(engines):
         rid = decode._call(lambda: decode.scheduler.pd.requests()[0].rid)
         assert decode.abort(rid)
         out = fut.result(timeout=60)
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "status" not in fr and fr["message"] == "aborted by request", fr  # not a time-out
     assert_clean(decode)
     _, d_out = run_pair(prefill, decode, ids, room=502)  # the link is still in step
     assert d_out["meta_info"]["finish_reason"]["type"] == "length"
