@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
 
             if ns.dp_size < 1:
                 raise ValueError(f"--dp-size must be >= 1, got {ns.dp_size}")
+            if ns.disaggregation_mode is not None:
+                raise ValueError("--dp-size does not combine with --disaggregation-mode: start the prefill and decode workers one by one and put radixlm router --pd-disaggregation in front")
             code = run_dp(ns, serve_parser)
         else:
             from radixlm.runtime.server import run_server

@@ -128,6 +128,18 @@ def test_cache_aware_prefers_the_match_then_the_smallest_tree_and_balances_when_
     assert policy.tree_chars(b) > 0 and policy.choose("x", [b]) is b
 
 
+def test_cache_aware_sends_a_prefix_that_several_hold_to_the_least_loaded_of_them():
+    a, b, c = (Worker(u, healthy=True) for u in "abc")
+    policy = CacheAware(CacheAwareSettings(cache_threshold=0.5, balance_abs_threshold=100))
+    system = "You are a helpful assistant. Answer in one short sentence. "
+    policy.tree.insert(system + "1", "a")
+    policy.tree.insert(system + "2", "b")  # b used it last
+    a.in_flight, b.in_flight, c.in_flight = 1, 3, 0  # balanced by the thresholds; c holds nothing
+    assert policy.choose(system + "3", [a, b, c]) is a, "a and b hold the system prompt: the less loaded of them"
+    a.in_flight = 5
+    assert policy.choose(system + "4", [a, b, c]) is b
+
+
 def test_round_robin_and_shortest_queue():
     a, b = Worker("a", healthy=True), Worker("b", healthy=True)
     rr = RoundRobin()

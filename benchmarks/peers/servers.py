@@ -54,6 +54,7 @@ def installed() -> list[str]:
 def _spawn(name: str, cmd: list[str], env: dict | None, port: int, config: str, health: str, timeout: float, extra_body: dict | None = None) -> Launched:
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-{name}-{port}.log"
     # cwd outside the repository: from its root, ./kernels would shadow the package transformers probes for
+    PEERS_DIR.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=PEERS_DIR)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout

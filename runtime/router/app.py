@@ -212,7 +212,8 @@ def _add_own_routes(app: FastAPI, state: RouterState) -> None:
                 row["info_error"] = f"{type(r).__name__}: {r}" if isinstance(r, Exception) else f"status {r.status_code}"
             rows.append(row)
         policy = "pd_disaggregation" if state.config.pd_disaggregation else state.policy.name
-        return {"role": "router", "policy": policy, "shutting_down": state.shutting_down, "config": dataclasses.asdict(state.config), "workers": rows}
+        config = {**dataclasses.asdict(state.config), "api_key": "(set)" if state.config.api_key else None}  # never echo the key
+        return {"role": "router", "policy": policy, "shutting_down": state.shutting_down, "config": config, "workers": rows}
 
     @app.get("/metrics")
     async def metrics() -> Response:

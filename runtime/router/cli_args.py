@@ -14,7 +14,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=30000, help="Port to listen on (default: 30000).")
     p.add_argument("--cache-threshold", type=float, default=0.5, help="cache_aware: route to the worker with the longest prefix match when it covers at least this share of the request's text; else to the worker holding the least text (default: 0.5).")
-    p.add_argument("--balance-abs-threshold", type=int, default=32, help="cache_aware: the load is imbalanced, and a request goes to the least loaded worker whatever its prefix, when the busiest worker has more than this many requests in flight beyond the idlest's and more than --balance-rel-threshold times them (default: 32).")
+    p.add_argument("--balance-abs-threshold", type=int, default=4, help="cache_aware: the load is imbalanced, and a request goes to the least loaded worker whatever its prefix, when the busiest worker has more than this many requests in flight beyond the idlest's and more than --balance-rel-threshold times them (default: 4, measured on benchmarks/scale_out.py; SGLang uses a larger one for GPU-sized batches).")
     p.add_argument("--balance-rel-threshold", type=float, default=1.5, help="cache_aware: see --balance-abs-threshold (default: 1.5).")
     p.add_argument("--max-tree-chars", type=int, default=2_000_000, help="cache_aware: characters of request text remembered per worker; past it the least recently used are forgotten (default: 2000000).")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="Seconds between GET /health checks of each worker (default: 2).")

@@ -14,7 +14,7 @@ class RouterConfig:
     worker_urls: list[str] = field(default_factory=list)
     policy: str = "cache_aware"
     cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
+    balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     max_tree_chars: int = 2_000_000
     health_check_interval: float = 2.0

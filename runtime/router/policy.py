@@ -3,8 +3,9 @@
 - ``round_robin``: each in turn.
 - ``shortest_queue``: the fewest requests in flight (sent by the router, not yet finished).
 - ``cache_aware`` (SGLang's): while the load is balanced, the worker whose text shares the
-  longest prefix with the request, if that is at least ``cache_threshold`` of the request, else
-  the worker holding the least text; when the load is imbalanced, the least loaded.
+  longest prefix with the request (the least loaded of several that hold it equally), if that
+  is at least ``cache_threshold`` of the request, else the worker holding the least text; when
+  the load is imbalanced, the least loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class CacheAwareSettings:
     """The thresholds of ``cache_aware``."""
 
     cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32
+    balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     max_tree_chars: int = 2_000_000
 
@@ -86,9 +87,10 @@ class CacheAware(Policy):
             chosen = min(candidates, key=lambda w: w.in_flight)
         else:
             by_url = {w.url: w for w in candidates}
-            url, matched = self.tree.match(text, by_url)
-            if url is not None and text and matched / len(text) >= s.cache_threshold:
-                chosen = by_url[url]
+            holders, matched = self.tree.holders(text, by_url)
+            if holders and text and matched / len(text) >= s.cache_threshold:
+                # several hold it (a shared system prompt): the least loaded, the most recent on a tie
+                chosen = min((by_url[u] for u in holders), key=lambda w: w.in_flight)
             else:
                 chosen = min(candidates, key=lambda w: (self.tree.size(w.url), w.in_flight))
         self.tree.insert(text, chosen.url)

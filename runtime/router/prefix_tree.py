@@ -76,18 +76,24 @@ class PrefixTree:
     def match(self, text: str, workers: Collection[str] | None = None) -> tuple[str | None, int]:
         """``(worker, characters)``: the worker (of ``workers``, default all) holding the longest
         prefix of ``text``, the most recently used on a tie; ``(None, 0)`` when none holds any."""
+        holders, matched = self.holders(text, workers)
+        return (holders[0] if holders else None), matched
+
+    def holders(self, text: str, workers: Collection[str] | None = None) -> tuple[list[str], int]:
+        """``(workers, characters)``: every worker (of ``workers``, default all) holding the
+        longest prefix of ``text``, most recently used first; ``([], 0)`` when none holds any."""
         allowed = (lambda w: True) if workers is None else set(workers).__contains__
-        best: tuple[str | None, int] = (None, 0)
+        best: tuple[list[str], int] = ([], 0)
         node, pos = self._root, 0
         while pos < len(text):
             child = node.children.get(text[pos])
             if child is None:
                 break
             shared = _common_len(child.key, text[pos:])
-            holders = [(tick, w) for w, tick in child.tenants.items() if allowed(w)]
+            holders = sorted(((tick, w) for w, tick in child.tenants.items() if allowed(w)), reverse=True)
             if not holders:
                 break  # a parent holds every tenant of its children: none deeper either
-            best = (max(holders)[1], pos + shared)
+            best = ([w for _, w in holders], pos + shared)
             if shared < len(child.key):
                 break
             node, pos = child, pos + shared
