@@ -119,7 +119,7 @@ class Scheduler:
         """True when no request holds or waits for KV."""
         return not self.has_work() and not (self.pd is not None and self.pd.receiving)
 
-    def _held(self) -> list[Req]:
+    def holding_kv(self) -> list[Req]:
         """Requests holding KV: the running ones and those receiving a hand-over."""
         return self.running + (self.pd.requests() if self.pd is not None else [])
 
@@ -133,7 +133,7 @@ class Scheduler:
 
     def abort_all(self, message: str, status: int | None = None) -> None:
         """End every request, e.g. at shutdown (``status``: the error it maps to, if any)."""
-        for req in self.waiting + self._held():
+        for req in self.waiting + self.holding_kv():
             req.abort_requested = True
         self._drop_aborted(message, status)
 
@@ -480,5 +480,5 @@ class Scheduler:
 
     def check_accounting(self, full: bool = True) -> None:
         """Assert the KV invariant: free + tree + running-owned slots = pool size."""
-        self.kv.check_accounting([r.kv for r in self._held() if r.kv is not None], full)
+        self.kv.check_accounting([r.kv for r in self.holding_kv() if r.kv is not None], full)
         assert all(r.kv is None for r in self.waiting), "a waiting request holds KV"

@@ -299,6 +299,10 @@ def test_pd_through_the_router_matches_a_single_server_streamed_or_not(engines):
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
         out = pd.chat.completions.create(**{**kw, "max_tokens": 40}, response_format=fmt)
         jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"], "additionalProperties": False}}}
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        call = pd.chat.completions.create(**{**kw, "max_tokens": 60}, tools=[tool], tool_choice=named).choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
     assert_clean(*engines)
 
 

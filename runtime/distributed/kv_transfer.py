@@ -44,6 +44,7 @@ POLL_S = 0.002  # how often pending hand-overs look at the store
 IDLE_S = 0.2  # how often an idle link checks for a (re)connecting peer
 GENERATION_KEY = "pd/generation"
 MAX_REMEMBERED_FAILURES = 1024
+CONNECT_TRY_S = 1.0  # one try of the decode side to reach the prefill side's store
 
 
 def prompt_digest(input_ids: list[int]) -> str:
@@ -176,7 +177,8 @@ class KVLink:
         return True
 
     def _join(self) -> bool:
-        store = dist.TCPStore(self.host, self.port, 2, is_master=False, timeout=self._td())
+        # a short connect timeout per try: the link thread retries, and a closing engine need not wait
+        store = dist.TCPStore(self.host, self.port, 2, is_master=False, timeout=datetime.timedelta(seconds=min(self.timeout_s, CONNECT_TRY_S)))
         gen = store.add(GENERATION_KEY, 1)
         self._start_generation(store, gen)
         return True
@@ -304,6 +306,7 @@ class PrefillSender:
 
     # ---------------------------------------------------------------- thread
     def _run(self) -> None:
+        checked = time.monotonic()  # when the store was last asked for a newer decode worker
         while not self.link.closed:
             try:
                 if not self.link.up:
@@ -314,8 +317,10 @@ class PrefillSender:
                     self._seq = 0
                 self._take_new(POLL_S if self._pending else IDLE_S)
                 self._progress()
-                if self.link.newer_peer():
-                    raise LinkDown("a new decode worker connected")
+                if time.monotonic() - checked > IDLE_S:
+                    checked = time.monotonic()
+                    if self.link.newer_peer():
+                        raise LinkDown("a new decode worker connected")
             except Exception as exc:
                 if self.link.closed:
                     break
