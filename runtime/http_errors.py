@@ -3,10 +3,13 @@ mapping from validation failures to a 400 that names the field."""
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.runtime.protocol import ErrorResponse
 from radixlm.runtime.sampling_params import accepted_keys
@@ -62,3 +65,17 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
             return APIError(400, "the request body must be a JSON object")
         return APIError(400, msg)
     return APIError(400, f"{param}: {msg}", param=param)
+
+
+def add_fallback_handlers(app: FastAPI, logger: logging.Logger) -> None:
+    """Unknown routes, wrong methods and unexpected errors answer with the OpenAI error shape."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

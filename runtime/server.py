@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.http_body import json_object, read_model, request_schema
@@ -32,7 +31,12 @@ from radixlm.runtime.http_common import (
     stream_response,
     wait_final,
 )
-from radixlm.runtime.http_errors import APIError, error_response, validation_error
+from radixlm.runtime.http_errors import (
+    APIError,
+    add_fallback_handlers,
+    error_response,
+    validation_error,
+)
 from radixlm.runtime.http_guard import Guard
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.protocol import GenerateRequest
@@ -77,15 +81,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         err = validation_error(list(exc.errors()))
         return error_response(err.status, err.message, err.param)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    add_fallback_handlers(app, logger)
 
 
 def _add_native_routes(app: FastAPI, state: ServerState) -> None:

@@ -15,10 +15,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixlm.runtime.http_body import MAX_BODY_BYTES
-from radixlm.runtime.http_errors import error_response
+from radixlm.runtime.http_errors import add_fallback_handlers, error_response
 from radixlm.runtime.router.auth import RequireKey
 from radixlm.runtime.router.config import RouterConfig
 from radixlm.runtime.router.metrics import RouterMetrics, relabel
@@ -77,15 +76,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def bad_input(_: Request, exc: BadInput) -> JSONResponse:
         return error_response(exc.status, str(exc))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    add_fallback_handlers(app, logger)
 
 
 async def read_body(request: Request) -> tuple[bytes, dict[str, Any]]:
