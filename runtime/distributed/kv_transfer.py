@@ -164,6 +164,8 @@ class KVLink:
             if self.role == "prefill":
                 return self._accept()
             return self._join()
+        except LinkDown:  # reached, but refused (the reason is set)
+            return False
         except Exception as exc:
             self._drop(f"the {self._peer} worker at {self.host}:{self.port} is not reachable: {exc}")
             return False
@@ -194,7 +196,9 @@ class KVLink:
             raise LinkDown(self.error)
         opts = dist.ProcessGroupGloo._Options()
         loopback = self.host in ("127.0.0.1", "localhost", "::1")
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host if loopback or self.role == "prefill" else "")]
+        # the prefill side listens on the bootstrap host; a remote decode side uses its default interface
+        local = loopback or self.role == "prefill"
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host) if local else dist.ProcessGroupGloo.create_default_device()]
         opts._timeout = self._td()
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "pg/", store), self.rank, 2, opts)
         with self._lock:
