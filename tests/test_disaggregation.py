@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from helpers import wait_until
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.server_args import ServerArgs
 
@@ -44,15 +45,6 @@ def run_pair(prefill: Engine, decode: Engine, input_ids: list[int], room: int, p
         p = pool.submit(prefill.generate, input_ids=prefill_ids or input_ids, sampling_params=params, bootstrap_room=room)
         d = decode.generate(input_ids=input_ids, sampling_params=params, bootstrap_room=room)
         return p.result(timeout=120), d
-
-
-def wait_for(cond, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def assert_clean(*engines: Engine) -> None:
@@ -110,7 +102,7 @@ def test_pd_decode_abort_while_waiting_for_kv_frees_its_slots(engines):
     ids = [14] * 4 + list(range(300, 336))
     with ThreadPoolExecutor(1) as pool:  # no prefill half: the request waits in `receiving`
         fut = pool.submit(decode.generate, input_ids=ids, sampling_params=GREEDY, bootstrap_room=501)
-        wait_for(lambda: decode.get_stats()["pd_receiving"] == 1, what="the decode request to hold its slots")
+        wait_until(lambda: decode.get_stats()["pd_receiving"] == 1, 60, "the decode request to hold its slots")
         assert decode.get_stats()["running_slots"] >= len(ids) - 1
         rid = decode._call(lambda: decode.scheduler.pd.requests()[0].rid)
         assert decode.abort(rid)
@@ -128,7 +120,7 @@ def test_pd_prefill_failure_fails_the_decode_half_at_once(engines):
     ids = [11] * 4 + list(range(150, 206))
     with ThreadPoolExecutor(1) as pool:
         d = pool.submit(decode.generate, input_ids=ids, sampling_params=GREEDY, bootstrap_room=601)
-        wait_for(lambda: decode.get_stats()["pd_receiving"] == 1, what="the decode half to wait")
+        wait_until(lambda: decode.get_stats()["pd_receiving"] == 1, 60, "the decode half to wait")
         q: queue.Queue = queue.Queue()
         req = prefill.make_request(q.put, input_ids=ids, sampling_params=GREEDY, rid="fault-forward-601", bootstrap_room=601)
         prefill.submit(req)
@@ -170,7 +162,7 @@ def test_pd_prefill_worker_gone_fails_waiting_requests_and_decode_keeps_serving(
     try:
         with ThreadPoolExecutor(1) as pool:
             d = pool.submit(decode.generate, input_ids=list(range(10, 50)), sampling_params=GREEDY, bootstrap_room=3)
-            wait_for(lambda: decode.get_stats()["pd_receiving"] == 1, what="the decode half to wait")
+            wait_until(lambda: decode.get_stats()["pd_receiving"] == 1, 60, "the decode half to wait")
             prefill.shutdown()
             out = d.result(timeout=60)
         fr = out["meta_info"]["finish_reason"]
@@ -194,7 +186,7 @@ def test_pd_a_restarted_decode_worker_joins_the_same_prefill_worker(tiny_llama):
         boot = prefill.args.disaggregation_bootstrap
         decode = Engine(model_path=tiny_llama, max_total_tokens=1024, disaggregation_mode="decode", disaggregation_bootstrap=boot, disaggregation_timeout=20)
         ids = list(range(20, 45))
-        wait_for(lambda: prefill.get_stats()["pd_link_up"], what="the prefill side to take the new decode worker")
+        wait_until(lambda: prefill.get_stats()["pd_link_up"], 60, "the prefill side to take the new decode worker")
         _, d_out = run_pair(prefill, decode, ids, room=9)
         assert d_out["meta_info"]["finish_reason"]["type"] == "length" and d_out["meta_info"]["pd"]["received_tokens"] == len(ids) - 1
         assert_clean(prefill, decode)
@@ -254,7 +246,7 @@ def test_pd_threads_end_with_their_engines(tiny_llama):
     prefill, decode = start_pair(tiny_llama)
     decode.shutdown()
     prefill.shutdown()
-    wait_for(lambda: not ({t.name for t in threading.enumerate()} - before) & {"radixlm-kv-send", "radixlm-kv-recv"}, 30, "the link threads to end")
+    wait_until(lambda: not ({t.name for t in threading.enumerate()} - before) & {"radixlm-kv-send", "radixlm-kv-recv"}, 30, "the link threads to end")
 
 
 # ------------------------------------------------------------ through HTTP and the router
@@ -314,10 +306,10 @@ def test_pd_client_disconnect_through_the_router_aborts_both_halves(engines):
         with httpx.Client(timeout=30) as c, c.stream("POST", router_url + "/generate", json=body) as resp:
             assert resp.status_code == 200
             assert next(resp.iter_lines()).startswith("data:")
-        wait_for(lambda: decode.get_stats()["num_running"] == 0, 30, "the decode half to end")
+        wait_until(lambda: decode.get_stats()["num_running"] == 0, 30, "the decode half to end")
         assert decode.get_stats()["forward_passes"] - before < 1000, "the disconnect did not abort the decode half"
         # a prefill half that fails reaches the client as its error, and the decode half ends
         r = httpx.post(router_url + "/generate", json={"text": "Once upon a time", "rid": "fault-forward-pd", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
         assert r.status_code in (500, 502) and "forward pass failed" in r.json()["message"], r.text  # whichever side answers first
-        wait_for(lambda: decode.get_stats()["pd_receiving"] == 0, 30, "the decode half to be freed")
+        wait_until(lambda: decode.get_stats()["pd_receiving"] == 0, 30, "the decode half to be freed")
     assert_clean(prefill, decode)
