@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixlm.radix_cache.origin import Origin
 from radixlm.runtime.distributed.kv_transfer import (
     DecodeReceiver,
     KVLayout,
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
     from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-CLIP_MAX_NEW_TOKENS = 4096  # as the scheduler's headroom estimate
 
 
 def open_link_side(args: ServerArgs, runner) -> PrefillSender | DecodeReceiver:
@@ -91,15 +88,8 @@ class Disaggregation:
         end = n - 1  # the last prompt token is computed here: it yields the first token's logits
         prefix_slots, node = kv.match(req.cache_ids, min(req.max_cacheable_prefix(), end))
         cached = len(prefix_slots)
-        need = kv.pages_for(None, end) - cached
-        if sched.running:
-            need += int(min(req.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * sched.new_token_ratio) + sched._reserved_headroom()
-        origin = Origin(req.rid, req.program, req.prompt_cache_key) if kv.tree.track_origins else None
-        state = kv.admit(prefix_slots, node, origin)
+        state = sched.reserve_admission(req, prefix_slots, node, end)
         if state is None:
-            return False
-        if need > kv.available() or not kv.reserve(state, end):
-            kv.release(state, None)
             return False
         try:
             self.side.expect(room, cached, end, n, prompt_digest(req.input_ids))
@@ -109,9 +99,7 @@ class Disaggregation:
             sched._finish(req, FinishReason.failure(f"the KV link to the prefill worker is down: {exc}", 503))
             return True
         req.kv = state
-        req.cached_tokens = cached
-        kv.tree.record(n, cached)
-        sched._note_match(req, node)
+        sched.note_admission(req, cached, node)
         sched.waiting.remove(req)
         self.receiving[room] = req
         return True
@@ -176,7 +164,7 @@ class Disaggregation:
             return None
         start = min(self.side.wanted_start(req.bootstrap_room), n - 1)
         data = self.sched.runner.kv_pool.gather_tokens(self.sched.kv.slots(req.kv, start, n - 1)).cpu()
-        return SendJob(req.bootstrap_room, req.rid, n, prompt_digest(req.input_ids), start, data, deliver=lambda *a: None)
+        return SendJob(req.bootstrap_room, req.rid, n, prompt_digest(req.input_ids), start, data)
 
     def hand_over(self, job: SendJob, out: ReqOutput, sink) -> None:
         """Queue the hand-over; ``out`` reaches ``sink`` once the decode side has the KV."""

@@ -259,39 +259,59 @@ class Scheduler:
             if self._shares_in_batch(in_batch, req, len(prefix_slots)):
                 continue
             length = self._chunk_len(req, len(prefix_slots), budget)
-            need = self.kv.pages_for(None, len(prefix_slots) + length) - len(prefix_slots)
-            if self.running:
-                need += int(min(req.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
-                need += self._reserved_headroom()
-            origin = Origin(req.rid, req.program, req.prompt_cache_key) if self.kv.tree.track_origins else None
-            state = self.kv.admit(prefix_slots, node, origin)
-            if state is None:
-                break
+            state = None
             try:
-                if need > self.kv.available() or not self.kv.reserve(state, len(prefix_slots) + length):
-                    self.kv.release(state, None)
+                state = self.reserve_admission(req, prefix_slots, node, len(prefix_slots) + length)
+                if state is None:
                     break
                 if self.faults is not None:
                     self.faults.check(req.rid, "admit")
             except Exception as exc:
                 logger.exception("request %s failed on admission", req.rid)
-                self.kv.release(state, None)
+                if state is not None:
+                    self.kv.release(state, None)
                 self._fail(req, f"admission failed: {exc}")
                 continue
             req.kv = state
-            if req.cached_tokens < 0:
-                req.cached_tokens = len(prefix_slots)
-                self.kv.tree.record(len(req.input_ids), len(prefix_slots))
-                self._note_match(req, node)
-                if req.needs_prompt_logprobs() and req.logprob_start_len == 0:
-                    req.input_logprobs.append(None)
-                    req.input_top_logprobs.append(None)
+            self.note_admission(req, len(prefix_slots), node)
             self.waiting.remove(req)
             self.running.append(req)
             in_batch.insert(req.cache_ids, torch.zeros(req.seq_len, dtype=torch.int64))
             rows.append(Row(req, state.kv_len, length, sample=self._samples(req, state.kv_len + length)))
             budget -= length
         return rows
+
+    def reserve_admission(self, req: Req, prefix_slots: torch.Tensor, node, new_len: int):
+        """Lock a waiting request's cached prefix and reserve its slots up to ``new_len``, leaving
+        room for the running requests' decoding; None (holding nothing) when KV is short now.
+        Raises (holding nothing) when ``new_len`` does not fit a slot-table row."""
+        need = self.kv.pages_for(None, new_len) - len(prefix_slots)
+        if self.running:
+            need += int(min(req.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+            need += self._reserved_headroom()
+        origin = Origin(req.rid, req.program, req.prompt_cache_key) if self.kv.tree.track_origins else None
+        state = self.kv.admit(prefix_slots, node, origin)
+        if state is None:
+            return None
+        try:
+            if need > self.kv.available() or not self.kv.reserve(state, new_len):
+                self.kv.release(state, None)
+                return None
+        except BaseException:
+            self.kv.release(state, None)
+            raise
+        return state
+
+    def note_admission(self, req: Req, cached: int, node) -> None:
+        """Record a request's prefix hit at its first admission (not again after a retraction)."""
+        if req.cached_tokens >= 0:
+            return
+        req.cached_tokens = cached
+        self.kv.tree.record(len(req.input_ids), cached)
+        self._note_match(req, node)
+        if req.needs_prompt_logprobs() and req.logprob_start_len == 0:
+            req.input_logprobs.append(None)
+            req.input_top_logprobs.append(None)
 
     def _note_match(self, req: Req, node) -> None:
         """Count the reuse of the matched path and explain the request's hit (first admission)."""

@@ -39,6 +39,17 @@ def start_pair(model: str, timeout: float = 30.0, decode_extra: dict | None = No
     return prefill, decode
 
 
+@contextlib.contextmanager
+def paired(model: str, timeout: float = 30.0, decode_extra: dict | None = None, **common):
+    """``start_pair`` for the length of a ``with`` block: both engines shut down after it."""
+    prefill, decode = start_pair(model, timeout, decode_extra, **common)
+    try:
+        yield prefill, decode
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
 def run_pair(prefill: Engine, decode: Engine, input_ids: list[int], room: int, params: dict = GREEDY, prefill_ids: list[int] | None = None) -> tuple[dict, dict]:
     """Both halves of one request at once (as the router sends them); (prefill out, decode out)."""
     with ThreadPoolExecutor(1) as pool:
@@ -143,8 +154,7 @@ def test_pd_prompts_tokenized_differently_fail_both_halves_clearly(engines):
 
 
 def test_pd_decode_half_without_a_prefill_half_times_out_and_frees(tiny_llama):
-    prefill, decode = start_pair(tiny_llama, timeout=1.5)
-    try:
+    with paired(tiny_llama, timeout=1.5) as (prefill, decode):
         t0 = time.monotonic()
         out = decode.generate(input_ids=list(range(10, 50)), sampling_params=GREEDY, bootstrap_room=1)
         fr = out["meta_info"]["finish_reason"]
@@ -152,14 +162,10 @@ def test_pd_decode_half_without_a_prefill_half_times_out_and_frees(tiny_llama):
         out = prefill.generate(input_ids=list(range(10, 50)), sampling_params=GREEDY, bootstrap_room=2)
         assert out["meta_info"]["finish_reason"]["status"] == 504  # nobody asked for it
         assert_clean(prefill, decode)
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
 
 
 def test_pd_prefill_worker_gone_fails_waiting_requests_and_decode_keeps_serving(tiny_llama):
-    prefill, decode = start_pair(tiny_llama, timeout=20)
-    try:
+    with paired(tiny_llama, timeout=20) as (prefill, decode):
         with ThreadPoolExecutor(1) as pool:
             d = pool.submit(decode.generate, input_ids=list(range(10, 50)), sampling_params=GREEDY, bootstrap_room=3)
             wait_until(lambda: decode.get_stats()["pd_receiving"] == 1, 60, "the decode half to wait")
@@ -174,9 +180,6 @@ def test_pd_prefill_worker_gone_fails_waiting_requests_and_decode_keeps_serving(
         assert out["meta_info"]["finish_reason"]["status"] == 503
         assert_clean(decode)
         assert decode.get_stats()["pd_link_up"] is False
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
 
 
 def test_pd_a_restarted_decode_worker_joins_the_same_prefill_worker(tiny_llama):
@@ -196,15 +199,11 @@ def test_pd_a_restarted_decode_worker_joins_the_same_prefill_worker(tiny_llama):
 
 
 def test_pd_layouts_that_differ_are_refused_with_the_field_named(tiny_llama):
-    prefill, decode = start_pair(tiny_llama, timeout=2, decode_extra={"kv_cache_dtype": "int8"})
-    try:
+    with paired(tiny_llama, timeout=2, decode_extra={"kv_cache_dtype": "int8"}) as (prefill, decode):
         out = decode.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY, bootstrap_room=5)
         fr = out["meta_info"]["finish_reason"]
         assert fr["status"] == 503 and "KV layouts differ" in fr["message"] and "kv_format" in fr["message"], fr
         assert_clean(decode)
-    finally:
-        decode.shutdown()
-        prefill.shutdown()
 
 
 def test_bootstrap_room_and_disaggregation_options_are_validated(engines):

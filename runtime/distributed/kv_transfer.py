@@ -255,7 +255,7 @@ class SendJob:
     digest: str
     start: int  # position of data's first row
     data: torch.Tensor  # uint8 [end - start, token_bytes] for positions [start, n - 1)
-    deliver: Callable[[str | None, int, dict[str, Any]], None]  # (error or None, status, pd info)
+    deliver: Callable[[str | None, int, dict[str, Any]], None] = lambda *_: None  # (error or None, status, pd info)
     created: float = field(default_factory=time.monotonic)
     cancelled: str | None = None
 
@@ -301,7 +301,7 @@ class PrefillSender:
 
     def fail_room(self, room: int, reason: str) -> None:
         """Tell the decode side that room's prompt will not come (an error before it was computed)."""
-        self._jobs.put(SendJob(room, "", 0, "", 0, torch.empty(0, 0, dtype=torch.uint8), lambda *a: None, cancelled=reason))
+        self._jobs.put(SendJob(room, "", 0, "", 0, torch.empty(0, 0, dtype=torch.uint8), cancelled=reason))
 
     def close(self) -> None:
         """Stop the link thread and fail what is still queued."""
