@@ -85,8 +85,9 @@ def test_regex_constants_import_from_the_ir_and_constrain(sgl, lang_backend):
 
     @sgl.function
     def typed(s):
-        s += "int:" + sgl.gen("i", regex=REGEX_INT, max_tokens=8)
-        s += " float:" + sgl.gen("f", regex=REGEX_FLOAT, max_tokens=12)
+        # budgets cover each pattern's longest match (every token is at least one character)
+        s += "int:" + sgl.gen("i", regex=REGEX_INT, max_tokens=20)
+        s += " float:" + sgl.gen("f", regex=REGEX_FLOAT, max_tokens=27)
         s += " bool:" + sgl.gen("b", regex=REGEX_BOOL, max_tokens=4)
         s += " str:" + sgl.gen("t", regex=REGEX_STR, max_tokens=12)
 
