@@ -31,6 +31,7 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.request import ReqOutput
 from radixlm.runtime.tokenizer import apply_chat_template
+from radixlm.runtime.tool_call_stream import ToolCallStreamer
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -393,9 +394,10 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
 
     sent = {idx: 0 for idx, _, _ in started}
     sent_lp = {idx: 0 for idx, _, _ in started}
-    buffered = plan.chat and plan.tool_mode is not None  # tool calls are sent whole at the end
+    tools = {idx: ToolCallStreamer(plan.tool_mode, plan.tool_name) for idx, _, _ in started} if plan.chat and plan.tool_mode else None
     if plan.chat:
-        yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for idx, _, _ in started])
+        first = None if plan.tool_mode in ("named", "required") else ""  # these answer with calls, not content
+        yield chunk([{"index": idx, "delta": {"role": "assistant", "content": first}, "logprobs": None, "finish_reason": None} for idx, _, _ in started])
     elif plan.echo:
         yield chunk([{"index": idx, "text": plan.prompt_texts[idx // plan.n], "logprobs": None, "finish_reason": None} for idx, _, _ in started])
     pending = {asyncio.ensure_future(q.get()): (idx, q) for idx, _, q in started}
@@ -417,9 +419,10 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
                     finals.append(out)
                 else:
                     pending[asyncio.ensure_future(q.get())] = (idx, q)
-                piece = _stream_piece(state, plan, idx, out, sent, sent_lp, buffered)
-                if piece is not None:
-                    yield chunk([_with_cache_info(plan, out, piece)])
+                pieces = _tool_pieces(plan, idx, out, tools[idx]) if tools else [_stream_piece(state, plan, idx, out, sent, sent_lp)]
+                pieces = [p for p in pieces if p is not None]
+                for i, piece in enumerate(pieces):
+                    yield chunk([_with_cache_info(plan, out, piece) if i == len(pieces) - 1 else piece])
     finally:
         stop.cancel()
         for fut in pending:
@@ -428,7 +431,7 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
         yield {"id": plan.id, "object": kind, "created": created, "model": plan.model, "choices": [], "usage": _usage(plan, finals)}
 
 
-def _stream_piece(state: ServerState, plan: _Plan, idx: int, out: ReqOutput, sent: dict, sent_lp: dict, buffered: bool) -> dict[str, Any] | None:
+def _stream_piece(state: ServerState, plan: _Plan, idx: int, out: ReqOutput, sent: dict, sent_lp: dict) -> dict[str, Any] | None:
     """The chunk choice for a new output of choice ``idx`` (None when there is nothing to send)."""
     delta_text = out.text[sent[idx] :]
     sent[idx] = len(out.text)
@@ -446,14 +449,20 @@ def _stream_piece(state: ServerState, plan: _Plan, idx: int, out: ReqOutput, sen
         if not delta_text and not out.finished:
             return None
         return {"index": idx, "text": delta_text, "logprobs": logprobs, "finish_reason": _finish_reason(plan, out, False) if out.finished else None}
-    if buffered:
-        if not out.finished:
-            return None
-        content, calls = _tool_message(plan, out.text)
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        return {"index": idx, "delta": delta, "logprobs": None, "finish_reason": _finish_reason(plan, out, bool(calls))}
     if not delta_text and not out.finished:
         return None
     return {"index": idx, "delta": {"content": delta_text} if delta_text else {}, "logprobs": logprobs, "finish_reason": _finish_reason(plan, out, False) if out.finished else None}
+
+
+def _tool_pieces(plan: _Plan, idx: int, out: ReqOutput, streamer: ToolCallStreamer) -> list[dict[str, Any]]:
+    """The chunk choices for a new output of a tool-mode choice: content and call deltas, one a chunk.
+
+    The last output's choices end the same way the non-streamed message does; its finish_reason
+    comes from that message's calls (``"length"`` for a call cut by max_tokens, see tool_call_stream).
+    """
+    if not out.finished:
+        return [{"index": idx, "delta": d, "logprobs": None, "finish_reason": None} for d in streamer.feed(out.text)]
+    content, calls = _tool_message(plan, out.text)
+    deltas = streamer.finish(out.text, content, calls) or [{}]
+    last = len(deltas) - 1
+    return [{"index": idx, "delta": d, "logprobs": None, "finish_reason": _finish_reason(plan, out, bool(calls)) if i == last else None} for i, d in enumerate(deltas)]

@@ -14,6 +14,7 @@ otherwise a system message describes them and the format.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -105,33 +106,82 @@ def _loads_or_str(arguments: str) -> Any:
         return arguments
 
 
+def new_call_id() -> str:
+    """A fresh tool call id (``call_`` and 24 hex digits)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def make_call(name: str, arguments: Any) -> dict[str, Any]:
     """An OpenAI ``tool_calls`` entry."""
     args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+# Calls keep their arguments as the model wrote them (the raw JSON text, whitespace and escapes
+# included), as the named mode does: a streamed call's argument pieces add up to the same text.
+_decoder = json.JSONDecoder()
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _raw_call(text: str, pos: int) -> tuple[dict[str, Any], int]:
+    """The call object at ``text[pos:]`` (whitespace first allowed) and where it ends."""
+    pos = _WS.match(text, pos).end()
+    body, end = _decoder.raw_decode(text, pos)
+    name, _ = body["name"], body["arguments"]  # KeyError/TypeError: not a call
+    spans: dict[str, tuple[int, int]] = {}
+    i = _WS.match(text, pos + 1).end()  # the object is valid JSON: walk its members
+    while text[i] != "}":
+        key, i = _decoder.raw_decode(text, i)
+        i = _WS.match(text, _WS.match(text, i).end() + 1).end()  # past ':'
+        value_end = _decoder.raw_decode(text, i)[1]
+        spans[key] = (i, value_end)  # the last of duplicate keys wins, as in json.loads
+        i = _WS.match(text, value_end).end()
+        if text[i] == ",":
+            i = _WS.match(text, i + 1).end()
+    start, stop = spans["arguments"]
+    return make_call(name, text[start:stop]), end
 
 
 def parse_required(text: str) -> list[dict[str, Any]]:
     """Calls from a ``required``-mode output (a JSON array of {name, arguments})."""
-    return [make_call(c["name"], c["arguments"]) for c in json.loads(text)]
+    if not isinstance(json.loads(text), list):
+        raise TypeError("not an array of calls")
+    calls = []
+    i = _WS.match(text, _WS.match(text).end() + 1).end()  # past '['
+    while text[i] != "]":
+        call, i = _raw_call(text, i)
+        calls.append(call)
+        i = _WS.match(text, i).end()
+        if text[i] == ",":
+            i += 1
+        i = _WS.match(text, i).end()
+    return calls
 
 
 def parse_auto(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split ``auto``-mode output into the text before the call and the calls it contains."""
+    """Split ``auto``-mode output into the text before the call and the calls it contains.
+
+    The text before a call keeps its leading whitespace and drops its trailing whitespace (a
+    stream can send it as it comes); an output with no call is all content.
+    """
     start = text.find(OPEN)
     if start < 0:
         return text, []
-    content = text[:start].strip() or None
+    content = text[:start].rstrip() or None
     calls = []
-    rest = text[start:]
-    while rest.startswith(OPEN):
-        end = rest.find(CLOSE)
-        if end < 0:
-            break
+    pos = start
+    while text.startswith(OPEN, pos):
         try:
-            body = json.loads(rest[len(OPEN) : end])
-            calls.append(make_call(body["name"], body["arguments"]))
-        except (json.JSONDecodeError, KeyError, TypeError):
+            call, end = _raw_call(text, pos + len(OPEN))
+        except json.JSONDecodeError:
+            if text.find(CLOSE, pos) < 0:
+                break  # cut by max_tokens inside the call
             return text, []
-        rest = rest[end + len(CLOSE) :].lstrip()
+        except (KeyError, TypeError):
+            return text, []
+        end = _WS.match(text, end).end()
+        if not text.startswith(CLOSE, end):
+            break
+        calls.append(call)
+        pos = _WS.match(text, end + len(CLOSE)).end()
     return content, calls
