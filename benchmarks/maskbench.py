@@ -14,11 +14,15 @@ judged right when accepted, an invalid one when rejected.
 Output (stdout), one JSON line per file, in argument order::
 
     {"file", "compiled", "error", "compile_ms", "valid_ok", "valid_total",
-     "invalid_rejected", "invalid_total", "mask_us_p50", "mask_us_p99"}
+     "invalid_rejected", "invalid_total", "format_only_accepted", "warnings", "mask_us_p50", "mask_us_p99"}
 
-then ``{"summary": {"files", "compiled", "passing", "invalid_accepted", "compile_ms_p50",
-"compile_ms_p75", "mask_us_p50", "mask_us_p99"}}``. ``passing``: compiled, no error, and every
-instance judged right. ``invalid_accepted``: invalid instances accepted, over compiled files.
+then ``{"summary": {"files", "compiled", "passing", "invalid_accepted", "format_only_accepted",
+"files_with_ignored_formats", "compile_ms_p50", "compile_ms_p75", "mask_us_p50", "mask_us_p99"}}``.
+``passing``: compiled, no error, and every instance judged right. ``invalid_accepted``: invalid
+instances accepted, over compiled files. An invalid instance that is valid once ``format`` is an
+annotation (jsonschema without a format checker), accepted by a grammar that ignored that format
+(and said so in its ``warnings``), counts as ``format_only_accepted`` instead: the JSON Schema
+specification makes unknown formats annotations, and so do we.
 ``compile_ms`` is the time of ``backend.compile`` (also when it refuses; null on a timeout);
 the summary's compile percentiles are over compiled files, its mask percentiles over every mask
 of every file. A file that did not compile has ``valid_ok = invalid_rejected = 0``.
@@ -155,7 +159,7 @@ class Checker:
         except Exception as exc:  # a backend bug: report it, keep the worker
             compiled, error = None, f"{type(exc).__name__}: {exc}"
         compile_ms = (time.perf_counter() - t0) * 1000.0
-        conn.send(("compiled", compiled is not None, error, compile_ms))
+        conn.send(("compiled", compiled is not None, error, compile_ms, list(getattr(compiled, "warnings", ()))))
         if compiled is not None:
             for test in tests:
                 times: list[float] = []
@@ -164,8 +168,19 @@ class Checker:
                 except Exception as exc:
                     accepted, where = False, f"error while walking: {type(exc).__name__}: {exc}"
                 times_bytes = np.asarray(times, dtype=np.float32).tobytes()
-                conn.send(("inst", bool(test.get("valid")), accepted, where, test.get("description", ""), times_bytes))
+                by_format = accepted and not test.get("valid") and valid_without_formats(schema, test["data"])
+                conn.send(("inst", bool(test.get("valid")), accepted, where, test.get("description", ""), times_bytes, by_format))
         conn.send(("done",))
+
+
+def valid_without_formats(schema, data) -> bool:
+    """True when ``data`` is valid once ``format`` is an annotation (jsonschema's default)."""
+    import jsonschema
+
+    try:
+        return jsonschema.validators.validator_for(schema)(schema).is_valid(data)
+    except Exception:  # a schema jsonschema cannot read: count the verdict as wrong
+        return False
 
 
 def worker_main(conn: Connection, backend_name: str) -> None:
@@ -190,6 +205,8 @@ class FileResult:
         self.compile_ms: float | None = None
         self.valid_ok = self.valid_total = self.invalid_rejected = self.invalid_total = 0
         self.invalid_accepted = 0
+        self.format_only_accepted = 0  # of those: invalid only by a format the grammar ignores
+        self.warnings: list[str] = []
         self.mask_us: list[np.ndarray] = []
         self.misjudged: list[str] = []
 
@@ -199,14 +216,17 @@ class FileResult:
         if kind == "loaded":
             _, self.valid_total, self.invalid_total = msg
         elif kind == "compiled":
-            _, self.compiled, self.error, self.compile_ms = msg
+            _, self.compiled, self.error, self.compile_ms, self.warnings = msg
         elif kind == "inst":
-            _, valid, accepted, where, desc, times = msg
+            _, valid, accepted, where, desc, times, by_format = msg
             self.mask_us.append(np.frombuffer(times, dtype=np.float32))
             if valid and accepted:
                 self.valid_ok += 1
             elif not valid and not accepted:
                 self.invalid_rejected += 1
+            elif by_format:  # a format is an annotation (schema_rewrite.py): not a wrong verdict
+                self.format_only_accepted += 1
+                self.misjudged.append(f"invalid only by an ignored format, accepted: {desc!r}: {where}")
             else:
                 self.invalid_accepted += not valid
                 self.misjudged.append(f"{'valid rejected' if valid else 'INVALID ACCEPTED'}: {desc!r}: {where}")
@@ -224,7 +244,7 @@ class FileResult:
 
     def passing(self) -> bool:
         """Compiled, no error, every instance judged right."""
-        all_right = self.valid_ok == self.valid_total and self.invalid_rejected == self.invalid_total
+        all_right = self.valid_ok == self.valid_total and self.invalid_rejected + self.format_only_accepted == self.invalid_total
         return bool(self.compiled) and self.error is None and all_right
 
     def line(self) -> dict:
@@ -240,6 +260,8 @@ class FileResult:
             "valid_total": self.valid_total,
             "invalid_rejected": self.invalid_rejected if ok else 0,
             "invalid_total": self.invalid_total,
+            "format_only_accepted": self.format_only_accepted if ok else 0,
+            "warnings": self.warnings,
             "mask_us_p50": percentile(t, 50),
             "mask_us_p99": percentile(t, 99),
         }
@@ -347,6 +369,8 @@ def summarize(files: list[FileResult], mask_times: list[np.ndarray]) -> dict:
         "compiled": sum(1 for f in files if f.compiled),
         "passing": sum(1 for f in files if f.passing()),
         "invalid_accepted": sum(f.invalid_accepted for f in files if f.compiled),
+        "format_only_accepted": sum(f.format_only_accepted for f in files if f.compiled),
+        "files_with_ignored_formats": sum(1 for f in files if f.compiled and f.warnings),
         "compile_ms_p50": percentile(compile_ms, 50),
         "compile_ms_p75": percentile(compile_ms, 75),
         "mask_us_p50": percentile(times, 50),

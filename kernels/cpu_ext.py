@@ -5,8 +5,8 @@ are used only for CPU tensors. The engine builds them at start-up (before it rep
 no request waits for the compiler.
 
 The build lands in the radixlm cache, in a folder named by a hash of what decides the binary:
-the sources' content, the compiler and its flags, the torch and Python versions and the CPU's
-features (it is compiled with -march=native). The sources are copied into that folder and built
+the sources' content, the compiler and its flags, the torch version and installation, the Python
+version and the CPU's features (it is compiled with -march=native). The sources are copied into that folder and built
 from there, so checkouts with the same sources share one build, and changed sources never load
 a stale one. When the build fails (no compiler, no headers...), one warning is logged and the
 callers use the PyTorch path.
@@ -56,10 +56,15 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def build_key(files: list[Path], cflags: tuple[str, ...] = CFLAGS, ldflags: tuple[str, ...] = LDFLAGS) -> str:
-    """A hash of everything that decides the compiled binary; file paths do not count, contents do."""
+def build_key(files: list[Path], cflags: tuple[str, ...] = CFLAGS, ldflags: tuple[str, ...] = LDFLAGS, torch_dir: str | None = None) -> str:
+    """A hash of everything that decides the compiled binary; source paths do not count, contents do.
+
+    The torch installation's folder counts: torch's builder writes its header paths into the
+    build file, so two virtualenvs sharing one folder would rebuild it for each other in turn.
+    """
+    torch_dir = torch_dir if torch_dir is not None else os.path.dirname(os.path.realpath(torch.__file__))
     h = hashlib.sha256()
-    for part in (torch.__version__, sys.version.split()[0], platform.machine(), _cpu_features(), os.environ.get("CXX", "c++"), *cflags, "|", *ldflags):
+    for part in (torch.__version__, torch_dir, sys.version.split()[0], platform.machine(), _cpu_features(), os.environ.get("CXX", "c++"), *cflags, "|", *ldflags):
         h.update(part.encode() + b"\0")
     for f in files:
         data = f.read_bytes()

@@ -366,13 +366,15 @@ class Engine:
     def attach_grammar(self, req: Req) -> None:
         """Compile the request's constraint (off the loop thread) and give it a matcher."""
         if req.params.constraint is not None:
-            req.grammar = self.grammars.compile(*req.params.constraint).matcher()
+            compiled = self.grammars.compile(*req.params.constraint)
+            req.grammar, req.constraint_warnings = compiled.matcher(), compiled.warnings
 
     async def attach_grammar_async(self, req: Req) -> None:
         """The awaitable form of ``attach_grammar``."""
         if req.params.constraint is not None:
             compiled = await self.grammars.compile_async(*req.params.constraint)
             req.grammar = await asyncio.to_thread(compiled.matcher)  # its first mask is CPU work
+            req.constraint_warnings = compiled.warnings
 
     def submit(self, req: Req) -> None:
         """Queue a built request on the loop (ValueError when its rid is already in flight)."""

@@ -172,13 +172,16 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
         if constrained:
             raise APIError(400, "response_format cannot be combined with regex, ebnf or json_schema", param="response_format")
         sampling["json_schema"] = fmt.json_schema.schema_ if fmt.type == "json_schema" else {"type": "object"}
+        if fmt.type == "json_schema" and fmt.json_schema.strict is False:
+            sampling["json_schema_strict"] = False  # undeclared properties may be generated
         constrained = ["json_schema"]
     tool_mode = None
     if tools and choice != "none":
         if constrained:
             raise APIError(400, "tools cannot be combined with response_format, regex, ebnf or json_schema", param="tools")
+        sampling["json_schema_strict"] = False  # each tool's own strict setting applies (tool_calls.arguments_schema)
         if named is not None:
-            tool_mode, sampling["json_schema"] = "named", named.function.parameters
+            tool_mode, sampling["json_schema"] = "named", tool_calls.arguments_schema(named)
         elif choice == "required":
             tool_mode, sampling["json_schema"] = "required", tool_calls.required_schema(tools, body.parallel_tool_calls)
         else:

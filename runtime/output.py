@@ -81,6 +81,8 @@ class OutputBuilder:
             meta["cache_info"] = req.cache_info
         if req.pd_info is not None:
             meta["pd"] = req.pd_info
+        if req.constraint_warnings:
+            meta["constraint_warnings"] = list(req.constraint_warnings)
         offsets = (0, 0)
         if req.return_logprob:
             log = self._logs.get(req)

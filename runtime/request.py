@@ -97,6 +97,7 @@ class Req:
     first_token_time: float | None = None
     abort_requested: bool = False
     grammar: Any = None  # the constraint's Matcher, if any
+    constraint_warnings: tuple[str, ...] = ()  # what the constraint does not enforce (an unknown format, ...)
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens (forced text or speculation), unverified
     draft_probs: torch.Tensor | None = None  # float32 [len(draft_ids), V]: a draft model's q; None = deterministic
     draft_source: str = ""  # who proposed draft_ids: "", "jump_forward", "ngram", "prediction" or "draft"

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.constrained.schema_strict import close_objects
 from radixlm.runtime.stop_regex import validate_stop_regex
 
 
@@ -59,6 +60,7 @@ class SamplingParams:
     seed: int | None = None
     regex: str | None = None
     json_schema: str | None = None
+    json_schema_strict: bool = True  # generate only the properties a schema declares (unless it allows others)
     ebnf: str | None = None
 
     @property
@@ -100,6 +102,7 @@ class SamplingParams:
         sp = cls(**{k: v for k, v in params.items() if v is not None})
         sp._normalize()
         sp.validate(vocab_size)
+        sp._close_schema()
         return sp
 
     def _normalize(self) -> None:
@@ -116,6 +119,18 @@ class SamplingParams:
                 setattr(self, name, float(getattr(self, name)))
         if _is_number(self.temperature) and 0 < self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0  # 1/T would overflow: such a temperature is greedy anyway
+
+    def _close_schema(self) -> None:
+        """Strict generation: the schema compiled is closed to its declared properties."""
+        if self.json_schema is None or not self.json_schema_strict:
+            return
+        try:
+            schema = json.loads(self.json_schema)
+        except json.JSONDecodeError:
+            return  # the grammar compiler names the error
+        closed = close_objects(schema)
+        if closed != schema:
+            self.json_schema = json.dumps(closed, ensure_ascii=False)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -153,7 +168,7 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_schema_strict"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):

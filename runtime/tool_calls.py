@@ -9,6 +9,9 @@ otherwise a system message describes them and the format.
 - a named function: the output is constrained to that function's arguments object.
 - ``"auto"``: free text, but once the model opens ``<tool_call>`` the rest is constrained to a
   valid call and ``</tool_call>`` (a Lark grammar with a ``stop`` lexeme; llguidance backend).
+
+Arguments are generated strictly: only the properties a tool's parameters declare, unless the
+tool sets ``strict: false`` or its schema allows others explicitly.
 """
 
 from __future__ import annotations
@@ -18,15 +21,23 @@ import re
 import uuid
 from typing import Any
 
+from radixlm.runtime.constrained.schema_strict import close_objects
 from radixlm.runtime.protocol import ChatMessage, Tool
 from radixlm.runtime.tool_markers import CLOSE, OPEN
+
+
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The schema generated arguments of ``tool`` follow: its parameters, closed to the declared
+    properties unless the tool says ``strict: false`` (schema_strict.close_objects)."""
+    params = tool.function.parameters
+    return params if tool.function.strict is False else close_objects(params)
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
     """JSON schema of one call of ``tool``: its name and valid arguments."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": tool.function.parameters},
+        "properties": {"name": {"const": tool.function.name}, "arguments": arguments_schema(tool)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

@@ -279,6 +279,25 @@ def grammar_backends(tok, vocab: int, ends: set[int]) -> dict:
     return {"llguidance": LLGuidanceBackend(tok, vocab, ends), "outlines": OutlinesBackend(tok, vocab, ends)}
 
 
+def accepts_text(backend, tok, vocab: int, ends: set[int], kind: str, spec: str, text: str) -> bool:
+    """True when ``text`` is accepted token by token and the grammar may end after it."""
+    import torch
+
+    from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
+
+    m = backend.compile(kind, spec).matcher()
+    bitmask = torch.zeros(1, bitmask_width(vocab), dtype=torch.int32)
+    for t in tok.encode(text, add_special_tokens=False):
+        m.fill_bitmask(bitmask, 0)
+        if not unpack_bitmask(bitmask, vocab)[0, t] or not m.accept(t):
+            return False
+    if m.is_terminated():
+        return True
+    m.fill_bitmask(bitmask, 0)
+    allowed = unpack_bitmask(bitmask, vocab)[0]
+    return any(bool(allowed[e]) for e in ends)
+
+
 # ------------------------------------------------------------ in-process HTTP servers (router tests)
 def wait_until(condition: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
     """Poll ``condition`` until it is true; fail after ``timeout`` seconds."""

@@ -64,7 +64,10 @@ def dev_set_outputs(engine) -> dict[float, dict[str, dict]]:
     assert len(SCHEMAS) == 50
     names = sorted(SCHEMAS)
     runs = [(t, n) for t in (0.0, 1.0) for n in names]
-    params = [{"json_schema": SCHEMAS[n]["schema"], "max_new_tokens": 192, "temperature": t, "seed": SCHEMAS[n]["seed"]} for t, n in runs]
+    # open objects, as the sample was chosen with: strict generation closes them, which moves greedy
+    # SmolLM2 onto other paths (6 of 50 ramble past the limit instead of 3); strictness has its own
+    # tests (test_strict_outputs.py, test_schema_rewrite.py)
+    params = [{"json_schema": SCHEMAS[n]["schema"], "json_schema_strict": False, "max_new_tokens": 192, "temperature": t, "seed": SCHEMAS[n]["seed"]} for t, n in runs]
     outs = engine.generate([JSON_PROMPT] * len(runs), params)
     engine.check_accounting()
     by_temperature: dict[float, dict[str, dict]] = {0.0: {}, 1.0: {}}
@@ -128,7 +131,7 @@ def test_streaming_a_json_schema_output(engine):
         ({"regex": "(unclosed"}, "regex"),
         ({"json_schema": "{not json"}, "not valid JSON"),
         ({"json_schema": {"$ref": "#/$defs/nothing"}}, "$ref"),
-        ({"json_schema": {"type": "object", "properties": {"x": {"not": {"type": "null"}}}}}, "'not' at /properties/x"),
+        ({"json_schema": {"type": "object", "properties": {"x": {"not": {"type": "integer"}}}}}, "'not' at /properties/x"),
         ({"ebnf": "start: (("}, "ebnf"),
     ],
 )

@@ -53,6 +53,8 @@ class Matcher(ABC):
 class CompiledGrammar(ABC):
     """A spec compiled against a vocabulary; immutable and shared through the cache."""
 
+    warnings: tuple[str, ...] = ()  # what the grammar does not enforce (e.g. an unknown format)
+
     @abstractmethod
     def matcher(self) -> Matcher:
         """A fresh matcher at the start of the grammar."""

@@ -9,6 +9,7 @@ import threading
 import torch
 
 from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
+from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
 from radixlm.runtime.constrained.specs import (
     check_finite,
     check_refs,
@@ -19,6 +20,8 @@ from radixlm.runtime.constrained.specs import (
 )
 
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+# The string formats llguidance enforces itself (others are rewritten or ignored: schema_rewrite.py).
+FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 
 
 def _utf8_prefix(data: bytes) -> str:
@@ -195,17 +198,20 @@ class LLGuidanceBackend(GrammarBackend):
         if whitespace_pattern is not None:
             self.json_options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
 
-    def _grammar(self, kind: str, spec: str) -> tuple[str, object]:
+    def _grammar(self, kind: str, spec: str) -> tuple[str, object, list[str]]:
+        """The llguidance grammar of a spec, the schema it enforces (for error messages) and
+        the warnings about what it leaves out."""
         LLMatcher = self._LLMatcher
         if kind == "regex":
             check_regex_size(spec)
-            return LLMatcher.grammar_from_regex(normalize_regex(spec)), None
+            return LLMatcher.grammar_from_regex(normalize_regex(spec)), None, []
         if kind == "json_schema":
             schema = parse_json_schema(spec)
             check_refs(schema)
             check_finite(schema)
+            rewrite = rewrite_schema(schema, FORMATS)
             try:
-                return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=dict(self.json_options)), schema
+                return LLMatcher.grammar_from_json_schema(json.dumps(rewrite.schema), overrides=dict(self.json_options)), rewrite.schema, rewrite.warnings
             except ValueError as exc:
                 raise GrammarError(f"json_schema: {exc}") from None
         if kind == "ebnf":
@@ -217,7 +223,7 @@ class LLGuidanceBackend(GrammarBackend):
                     lark = gbnf_to_lark(spec)
                 except Exception as exc:
                     raise GrammarError(f"ebnf: cannot parse the GBNF grammar: {exc}") from None
-            return LLMatcher.grammar_from_lark(lark), None
+            return LLMatcher.grammar_from_lark(lark), None, []
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
     def compile(self, kind: str, spec: str, timeout: float | None = None) -> LLGuidanceGrammar:
@@ -227,7 +233,7 @@ class LLGuidanceBackend(GrammarBackend):
         library's first mask is an error, or empty) is refused here rather than at generation.
         ``timeout`` is not used: llguidance's own limits end its builds.
         """
-        grammar, schema = self._grammar(kind, spec)
+        grammar, schema, warnings = self._grammar(kind, spec)
         is_error, messages = self._LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise self._error(kind, messages[0] if messages else "invalid grammar", schema)
@@ -238,6 +244,7 @@ class LLGuidanceBackend(GrammarBackend):
         if template.is_error() or not any(template.compute_bitmask()):
             reason = template.get_error().strip().splitlines()[0] if template.is_error() else "no token is allowed"
             raise GrammarError(f"{kind} can produce no output at all ({reason}): a rule or $ref that only refers to itself?")
+        compiled.warnings = tuple(warnings)
         return compiled
 
     def _error(self, kind: str, message: str, schema) -> GrammarError:

@@ -19,6 +19,7 @@ from radixlm.runtime.constrained.base import (
     Matcher,
     bitmask_width,
 )
+from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
 from radixlm.runtime.constrained.specs import (
     ANNOTATIONS,
     check_finite,
@@ -224,11 +225,14 @@ class OutlinesBackend(GrammarBackend):
         self.workers.warm()
         self.whitespace_pattern = whitespace_pattern if whitespace_pattern is not None else ""
 
-    def schema_regex(self, spec: str) -> str:
-        """The regex outlines-core builds for a JSON schema, after checking it is enforceable."""
+    def schema_regex(self, spec: str) -> tuple[str, list[str]]:
+        """The regex outlines-core builds for a JSON schema, after checking it is enforceable,
+        and the warnings about what it leaves out."""
         schema = parse_json_schema(spec)
         check_refs(schema)
         check_finite(schema)
+        rewrite = rewrite_schema(schema, FORMATS)
+        schema = rewrite.schema
         bad = {k for k, _ in iter_keywords(schema) if k not in ENFORCED and k not in ANNOTATIONS}
         if _unknown_format(schema):
             bad.add("format")
@@ -238,7 +242,7 @@ class OutlinesBackend(GrammarBackend):
         if dropped:
             raise GrammarError(f"json_schema combines keywords the {self.name} backend would not all enforce: {'; '.join(dropped[:5])}")
         try:
-            return self._oc.json_schema.build_regex_from_schema(json.dumps(_prepared(schema)), self.whitespace_pattern)
+            return self._oc.json_schema.build_regex_from_schema(json.dumps(_prepared(schema)), self.whitespace_pattern), rewrite.warnings
         except Exception as exc:
             raise GrammarError(f"json_schema: {exc}") from None
 
@@ -247,8 +251,9 @@ class OutlinesBackend(GrammarBackend):
         too large or empty specs, and on a build that runs past ``timeout`` seconds."""
         if kind == "ebnf":
             raise GrammarError("ebnf grammars need the llguidance backend (--grammar-backend llguidance)")
+        warnings: list[str] = []
         if kind == "json_schema":
-            regex = self.schema_regex(spec)
+            regex, warnings = self.schema_regex(spec)
             check_regex_size(regex, "the regex of this json_schema")
         elif kind == "regex":
             check_regex_size(spec)
@@ -270,6 +275,7 @@ class OutlinesBackend(GrammarBackend):
         compiled.matcher().fill_bitmask(bitmask, 0)
         if not bool(bitmask.any()):
             raise GrammarError(f"{kind} can produce no output at all: no token is allowed at its start")
+        compiled.warnings = tuple(warnings)
         return compiled
 
     def close(self) -> None:

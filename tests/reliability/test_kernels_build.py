@@ -30,6 +30,14 @@ def test_kernel_build_key_changes_with_the_compiler_flags(tmp_path):
     assert cpu_ext.build_key(files) != cpu_ext.build_key(files, ldflags=())
 
 
+def test_kernel_build_key_differs_between_torch_installations():
+    # torch's builder writes its headers' paths into build.ninja: two virtualenvs sharing one
+    # folder rebuilt it for each other at every start (a server took minutes to become healthy)
+    files = cpu_ext.source_files()
+    assert cpu_ext.build_key(files) == cpu_ext.build_key(files)
+    assert cpu_ext.build_key(files, torch_dir="/venv_a/torch") != cpu_ext.build_key(files, torch_dir="/venv_b/torch")
+
+
 def test_failed_kernel_build_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog, tmp_path):
     calls = []
 
