@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,17 +309,9 @@ def _finish_reason(plan: _Plan, out: ReqOutput, has_calls: bool) -> str | None:
 
 def _tool_message(plan: _Plan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Content and tool calls of a finished chat output."""
-    try:
-        if plan.tool_mode == "named":
-            json.loads(text)
-            return None, [tool_calls.make_call(plan.tool_name, text)]
-        if plan.tool_mode == "required":
-            return None, tool_calls.parse_required(text)
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return text, []  # cut by max_tokens: not a whole call
-    if plan.tool_mode == "auto":
-        return tool_calls.parse_auto(text)
-    return text, []
+    if plan.tool_mode is None:
+        return text, []
+    return tool_calls.parse_output(plan.tool_mode, text, plan.tool_name)
 
 
 def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict[str, Any]:

@@ -169,6 +169,22 @@ def parse_required(text: str) -> list[dict[str, Any]]:
     return calls
 
 
+def parse_output(mode: str, text: str, name: str | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+    """Content and calls of a finished output in tool mode ``mode`` (``name``: the named function).
+
+    A ``named`` or ``required`` output cut by max_tokens holds no whole call: no calls and no
+    content (the partial JSON is not passed off as an answer; finish_reason says "length")."""
+    try:
+        if mode == "named":
+            json.loads(text)
+            return None, [make_call(name or "", text)]
+        if mode == "required":
+            return None, parse_required(text)
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None, []
+    return parse_auto(text)
+
+
 def parse_auto(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """Split ``auto``-mode output into the text before the call and the calls it contains.
 
