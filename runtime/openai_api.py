@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixlm.runtime import tool_calls
+from radixlm.runtime import reasoning, tool_calls
+from radixlm.runtime.constrained.base import GrammarError
+from radixlm.runtime.constrained.llguidance_backend import FORMATS as LLGUIDANCE_FORMATS
+from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
+from radixlm.runtime.constrained.schema_strict import close_objects
 from radixlm.runtime.http_body import read_model, request_schema
 from radixlm.runtime.http_common import (
     ServerState,
@@ -61,6 +66,7 @@ class _Plan:
     include_usage: bool
     logprobs: int | None  # top alternatives wanted (0 = chosen token only); None = no logprobs
     echo: bool = False
+    reasoning: reasoning.ReasoningFormat | None = None  # a reasoning model's markers (chat)
     tool_mode: str | None = None  # "required", "named", "auto"
     tool_name: str | None = None
     cache_salt: str | None = None
@@ -185,10 +191,42 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
             tool_mode, sampling["json_schema"] = "required", tool_calls.required_schema(tools, body.parallel_tool_calls)
         else:
             tool_mode, sampling["ebnf"] = "auto", tool_calls.auto_grammar(tools)
+    thinking = reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)
+    if thinking is not None:
+        _think_first(engine.args.grammar_backend, thinking, body, sampling, tools, tool_mode)
+    elif body.max_reasoning_tokens is not None:
+        raise APIError(400, "max_reasoning_tokens needs a model whose chat template has a reasoning section", param="max_reasoning_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
+
+
+def _think_first(backend: str, fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sampling: dict[str, Any], tools: list, tool_mode: str | None) -> None:
+    """Let a reasoning model think before its constrained answer: the response format's or the
+    tools' constraint becomes the answer part of a reasoning grammar (llguidance's Lark)."""
+    kinds = [k for k in ("regex", "ebnf", "json_schema") if k in sampling]
+    if backend != "llguidance":
+        if body.max_reasoning_tokens is not None:
+            raise APIError(400, "max_reasoning_tokens needs the llguidance grammar backend (--grammar-backend llguidance)", param="max_reasoning_tokens")
+        return  # the constraint covers the whole output: the model answers without reasoning
+    param = "tools" if tool_mode else "response_format"
+    if tool_mode == "auto":
+        answer = [tool_calls.auto_grammar(tools, start="answer")]
+    elif kinds == ["json_schema"] and (tool_mode or (body.response_format is not None and body.response_format.type != "text")):
+        schema = sampling.pop("json_schema")
+        if sampling.pop("json_schema_strict", True):
+            schema = close_objects(schema)
+        try:
+            rewrite = rewrite_schema(schema, LLGUIDANCE_FORMATS)
+        except GrammarError as exc:
+            raise APIError(400, str(exc), param=param) from None
+        answer = reasoning.json_answer(rewrite.schema)
+    elif not kinds and body.max_reasoning_tokens is not None:
+        answer = ["answer: ANSWER", "ANSWER: /(?s:.*)/"]
+    else:
+        return  # free text (reasoning unbounded), or the extras regex/ebnf/json_schema: as given
+    sampling["ebnf"] = reasoning.grammar(fmt, answer, body.max_reasoning_tokens)
 
 
 def _prediction(body) -> str | None:
@@ -316,8 +354,11 @@ def _tool_message(plan: _Plan, text: str) -> tuple[str | None, list[dict[str, An
 
 def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict[str, Any]:
     if plan.chat:
-        content, calls = _tool_message(plan, out.text)
+        thought, answer = reasoning.split(plan.reasoning, out.text) if plan.reasoning else (None, out.text)
+        content, calls = _tool_message(plan, answer)
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thought is not None:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = calls
         choice = {"index": index, "message": message, "finish_reason": _finish_reason(plan, out, bool(calls))}
@@ -388,6 +429,7 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
 
     sent = {idx: 0 for idx, _, _ in started}
     sent_lp = {idx: 0 for idx, _, _ in started}
+    thought_sent = {idx: "" for idx, _, _ in started}  # reasoning_content streamed so far
     tools = {idx: ToolCallStreamer(plan.tool_mode, plan.tool_name) for idx, _, _ in started} if plan.chat and plan.tool_mode else None
     if plan.chat:
         first = None if plan.tool_mode in ("named", "required") else ""  # these answer with calls, not content
@@ -413,6 +455,12 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
                     finals.append(out)
                 else:
                     pending[asyncio.ensure_future(q.get())] = (idx, q)
+                if plan.reasoning is not None:  # the reasoning goes first, apart; the rest sees the answer
+                    thought, answer = reasoning.split(plan.reasoning, out.text, final=out.finished)
+                    if thought and thought != thought_sent[idx] and thought.startswith(thought_sent[idx]):
+                        yield chunk([{"index": idx, "delta": {"reasoning_content": thought[len(thought_sent[idx]) :]}, "logprobs": None, "finish_reason": None}])
+                        thought_sent[idx] = thought
+                    out = dataclasses.replace(out, text=answer)
                 pieces = _tool_pieces(plan, idx, out, tools[idx]) if tools else [_stream_piece(state, plan, idx, out, sent, sent_lp)]
                 pieces = [p for p in pieces if p is not None]
                 for i, piece in enumerate(pieces):

@@ -237,6 +237,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: NonNegInt | None = None
     max_completion_tokens: NonNegInt | None = None
+    max_reasoning_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # reasoning models: the most tokens of the reasoning section
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None

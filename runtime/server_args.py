@@ -48,6 +48,7 @@ class ServerArgs:
     tp_timeout: float = _opt(300.0, "Seconds a tensor-parallel collective may wait for a peer before the engine gives up on the group.")
     random_seed: int = _opt(0, "Seed of the sampler for requests without their own seed.")
     grammar_backend: str = _opt("llguidance", "Constrained-decoding backend: llguidance or outlines.", choices=["llguidance", "outlines"])
+    reasoning_parser: str = _opt("auto", "Reasoning sections (<think>...</think>): auto (when the chat template writes both markers, chat answers carry the reasoning apart in reasoning_content, and constraints apply to the answer after it) or none (the output is all content).", choices=["auto", "none"])
     grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
     disable_jump_forward: bool = _opt(False, "Decode forced grammar text token by token instead of appending it at once.")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: ngram (propose the continuation of the latest n-gram match in the request's own prompt and output, in its OpenAI prediction, and in recent outputs of all requests; no extra model) or draft (a smaller model proposes; see --speculative-draft-model-path). Each request speculates only while its measured acceptance pays and the running batch is small. Greedy output is unchanged; sampling keeps the model's distribution. Default: off (a request with an OpenAI prediction still speculates from it).", choices=[None, "ngram", "draft"])

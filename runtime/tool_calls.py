@@ -55,11 +55,12 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def auto_grammar(tools: list[Tool]) -> str:
-    """Lark grammar for ``tool_choice="auto"``: free text, or text then one constrained call."""
+def auto_grammar(tools: list[Tool], start: str = "start") -> str:
+    """Lark grammar for ``tool_choice="auto"``: free text, or text then one constrained call
+    (``start``: the name of its start rule, for embedding it in a larger grammar)."""
     return "\n".join(
         [
-            'start: TEXT | pre call "</tool_call>"',
+            f'{start}: TEXT | pre call "</tool_call>"',
             "TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
             'pre[stop="<tool_call>"]: /(?s:.*)/',
             f"call: %json {json.dumps(_any_call(tools))}",
