@@ -20,8 +20,9 @@ Per mode (see ``tool_calls``):
   trailing run of whitespace and a trailing partial ``<tool_call>``, held until what follows
   shows whether they are content (the content before a call drops its trailing whitespace).
 
-A cut output (``max_tokens`` inside a call) parses to no call: the non-streamed response sends the
-text as content with finish_reason ``"length"``. A stream that has already opened the call does
+A cut output (``max_tokens`` inside a call) parses to no call: the non-streamed response has
+finish_reason ``"length"``, no calls, and (named, required) no content, or (auto) the text before
+the call as content. A stream that has already opened the call does
 not take it back nor fabricate its end: the rest of its arguments (as generated) is sent, no
 content is added, and the final chunk's finish_reason is ``"length"`` (the caller computes it from
 the finished parse, which has no calls). A stream that opened no call sends the content the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import ipaddress
 import json
 import re
@@ -262,3 +263,15 @@ def test_llguidance_reports_an_ignored_format_in_the_compiled_grammar(llg):
         backend.compile("json_schema", json.dumps(ONE_OF_OVERLAPPING[0]))
     with pytest.raises(GrammarError):  # "not: {required: []}" admits nothing at all
         backend.compile("json_schema", json.dumps({"not": {"required": []}}))
+
+
+def test_hostile_schemas_are_refused_or_left_alone():
+    malformed = {"dependencies": [1], "dependentRequired": {"a": "b"}}
+    assert rewrite_schema(malformed, LLG_FORMATS).schema == malformed, "not the schema form: left for the backend to refuse"
+    with pytest.raises(GrammarError, match="has 300 branches"):
+        rewrite_schema({"oneOf": [{"const": i} for i in range(300)]}, LLG_FORMATS)
+    nested: dict = {"type": "string"}
+    for _ in range(6):  # an allOf tree 6 deep and 4 wide (4,096 schemas): the check looks at a few
+        nested = {"allOf": [copy.deepcopy(nested) for _ in range(4)]}
+    branches = [{"type": "integer", **nested}, {"type": "string"}] + [{"const": [i]} for i in range(200)]
+    assert rewrite_schema({"oneOf": branches}, LLG_FORMATS).schema["anyOf"][1] == {"type": "string"}

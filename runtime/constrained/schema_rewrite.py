@@ -35,6 +35,7 @@ from typing import Any
 
 from radixlm.runtime.constrained.base import GrammarError
 from radixlm.runtime.constrained.schema_strict import pointer as _pointer
+from radixlm.runtime.constrained.specs import resolve_pointer
 
 # Exact patterns for formats no backend knows natively (anchored: JSON Schema patterns search).
 FORMAT_PATTERNS = {
@@ -44,6 +45,8 @@ FORMAT_PATTERNS = {
 FORMAT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}  # OpenAPI integer formats
 FORMAT_ALIASES = {"url": "uri"}
 MAX_PROPERTY_BRANCHES = 64  # min/maxProperties: the most key sets spelled out as anyOf branches
+MAX_ONE_OF_BRANCHES = 256  # oneOf: the most branches whose exclusivity is checked (pairwise)
+MAX_VIEWS = 16  # oneOf: the most schemas (a branch, its $ref target, its allOf members) compared per branch
 
 _TYPES = ("array", "boolean", "null", "number", "object", "string")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -109,7 +112,9 @@ class _Rewriter:
             node["format"] = name
             return
         del node["format"]
-        if name in FORMAT_PATTERNS and "pattern" not in node:
+        if name in FORMAT_PATTERNS and "pattern" in node:
+            self.out.warnings.append(f"format {fmt!r} at {path or '/'} is not enforced: it sits next to a pattern")
+        elif name in FORMAT_PATTERNS:
             node["pattern"] = FORMAT_PATTERNS[name]
         elif name in FORMAT_BOUNDS:
             low, high = FORMAT_BOUNDS[name]
@@ -119,10 +124,19 @@ class _Rewriter:
             self.out.warnings.append(f"format {fmt!r} at {path or '/'} is not enforced: the grammar backend does not know it")
 
     def _dependencies(self, node: dict) -> None:
-        required = dict(node.pop("dependentRequired", None) or {})
-        schemas = dict(node.pop("dependentSchemas", None) or {})
-        for key, value in (node.pop("dependencies", None) or {}).items():
+        given = {k: node[k] for k in ("dependentRequired", "dependentSchemas", "dependencies") if k in node}
+        if not all(isinstance(v, dict) for v in given.values()):
+            return  # not a schema's form of them: left for the backend to refuse
+        required = dict(given.get("dependentRequired", {}))
+        schemas = dict(given.get("dependentSchemas", {}))
+        for key, value in given.get("dependencies", {}).items():
             (required if isinstance(value, list) else schemas)[key] = value
+        if not all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in required.values()):
+            return
+        if not all(isinstance(sub, (dict, bool)) for sub in schemas.values()):
+            return
+        for k in given:
+            del node[k]
         extra = [{"anyOf": [{"properties": {k: False}}, {"required": [k, *names]}]} for k, names in required.items()]
         extra += [{"anyOf": [{"properties": {k: False}}, {"allOf": [{"required": [k]}, sub]}]} for k, sub in schemas.items()]
         _add_all_of(node, extra)
@@ -147,9 +161,12 @@ class _Rewriter:
         branches = node.get("oneOf")
         if not isinstance(branches, list):
             return
+        if len(branches) > MAX_ONE_OF_BRANCHES:
+            raise GrammarError(f"json_schema: 'oneOf' at {path or '/'} has {len(branches)} branches: over {MAX_ONE_OF_BRANCHES}, their exclusivity is not checked")
         context = {k: node[k] for k in ("type", "required") if k in node}  # every branch's instance meets these too
-        for (i, a), (j, b) in itertools.combinations(enumerate(branches), 2):
-            if not self._disjoint(a, b, context):
+        views = [[_within(v, context) for v in self._views(b)] for b in branches]
+        for (i, a), (j, b) in itertools.combinations(enumerate(views), 2):
+            if not any(self._disjoint_one(x, y) for x in a for y in b):
                 raise GrammarError(
                     f"json_schema: 'oneOf' at {path or '/'}: branches {i} and {j} are not provably mutually exclusive "
                     "(give them distinct types, const/enum discriminators, or required keys the other forbids; or use anyOf)"
@@ -193,27 +210,30 @@ class _Rewriter:
         _add_all_of(node, [{"anyOf": branches} if branches else False])
 
     # -------------------------------------------------------- mutual exclusion
-    def _disjoint(self, a: Any, b: Any, context: dict | None = None) -> bool:
-        """True when no instance is valid under both ``a`` and ``b`` (False: not sure); ``context``:
-        ``type``/``required`` of the schema holding them, which their instances also meet."""
-        views_a = [_within(v, context) for v in self._views(a)]
-        views_b = [_within(v, context) for v in self._views(b)]
-        return any(self._disjoint_one(x, y) for x in views_a for y in views_b)
+    def _disjoint(self, a: Any, b: Any, depth: int = 0) -> bool:
+        """True when no instance is valid under both ``a`` and ``b`` (False: not sure)."""
+        return depth < 4 and any(self._disjoint_one(x, y, depth) for x in self._views(a) for y in self._views(b))
 
-    def _views(self, node: Any, depth: int = 0) -> list[Any]:
-        """``node`` and schemas every instance valid under it must also satisfy."""
-        views = [node]
-        if isinstance(node, dict) and depth < 8:
-            ref = node.get("$ref")
+    def _views(self, node: Any) -> list[Any]:
+        """``node`` and schemas every instance valid under it must also satisfy: its ``$ref``
+        target and ``allOf`` members, breadth first, at most MAX_VIEWS (a proof needs one view
+        that works; a hostile schema must not make this slow)."""
+        views, queue = [], [node]
+        while queue and len(views) < MAX_VIEWS:
+            view = queue.pop(0)
+            views.append(view)
+            if not isinstance(view, dict):
+                continue
+            ref = view.get("$ref")
             if isinstance(ref, str) and ref.startswith("#"):
-                target = _resolve(self.root, ref[1:])
+                target = resolve_pointer(self.root, ref[1:])
                 if target is not None:
-                    views += self._views(target, depth + 1)
-            for member in node.get("allOf") or []:
-                views += self._views(member, depth + 1)
+                    queue.append(target)
+            if isinstance(view.get("allOf"), list):
+                queue.extend(view["allOf"])
         return views
 
-    def _disjoint_one(self, a: Any, b: Any) -> bool:
+    def _disjoint_one(self, a: Any, b: Any, depth: int = 0) -> bool:
         if a is False or b is False:
             return True
         if not isinstance(a, dict) or not isinstance(b, dict):
@@ -226,10 +246,10 @@ class _Rewriter:
         if va is not None and vb is not None and not any(_json_equal(x, y) for x in va for y in vb):
             return True
         if common <= {"object"}:
-            return self._objects_disjoint(a, b) or self._objects_disjoint(b, a)
+            return self._objects_disjoint(a, b, depth) or self._objects_disjoint(b, a, depth)
         return False
 
-    def _objects_disjoint(self, a: dict, b: dict) -> bool:
+    def _objects_disjoint(self, a: dict, b: dict, depth: int) -> bool:
         """Both only admit objects here: a key ``a`` requires that ``b`` forbids, or a key both
         require whose values cannot agree."""
         pa = a.get("properties") if isinstance(a.get("properties"), dict) else {}
@@ -240,25 +260,12 @@ class _Rewriter:
         for key in ra:
             if pb.get(key) is False or (b_closed and key not in pb):
                 return True
-            if key in rb and key in pa and key in pb and self._disjoint(pa[key], pb[key]):
+            if key in rb and key in pa and key in pb and self._disjoint(pa[key], pb[key], depth + 1):
                 return True
         return False
 
 
 # ------------------------------------------------------------------- helpers
-def _resolve(root: Any, pointer: str) -> Any:
-    node = root
-    for part in [p for p in pointer.split("/") if p != ""]:
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _within(view: Any, context: dict | None) -> Any:
     """``view`` with the ``type`` and ``required`` of the schema around it added (an instance
     valid under both satisfies the result, so disjointness found there holds)."""

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixlm.runtime.constrained.base import GrammarError
+from radixlm.runtime.constrained.schema_strict import pointer as _escape_pointer
 
 # Keywords that only annotate a schema: safe to ignore when enforcing it.
 ANNOTATIONS = frozenset(
@@ -58,8 +59,10 @@ def _at(schema: Any, pointer: str, unescape: bool = True) -> Any:
     return node
 
 
-def _escape_pointer(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
+def resolve_pointer(schema: Any, pointer: str) -> Any:
+    """The part of ``schema`` at a JSON pointer (``/$defs/A``); None when it points to nothing."""
+    node = _at(schema, pointer)
+    return None if node is _MISSING else node
 
 
 def iter_keywords(schema: Any, path: str = "") -> Iterator[tuple[str, str]]:
