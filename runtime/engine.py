@@ -90,14 +90,18 @@ def build_parts(args: ServerArgs) -> EngineParts:
 def make_grammar_compiler(args: ServerArgs, tokenizer, vocab_size: int, end_ids: set[int]) -> GrammarCompiler:
     """The compiler for ``args.grammar_backend`` (the backend itself is built on first use)."""
 
-    def make_backend():
-        if args.grammar_backend == "outlines":
-            from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
-
-            return OutlinesBackend(tokenizer, vocab_size, end_ids)
+    def make_llguidance():
         from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
 
         return LLGuidanceBackend(tokenizer, vocab_size, end_ids)
+
+    def make_backend():
+        if args.grammar_backend == "outlines":  # EBNF (tool_choice auto, reasoning) goes to llguidance
+            from radixlm.runtime.constrained.lark_fallback import LarkFallback
+            from radixlm.runtime.constrained.outlines_backend import OutlinesBackend
+
+            return LarkFallback(OutlinesBackend(tokenizer, vocab_size, end_ids), make_llguidance)
+        return make_llguidance()
 
     return GrammarCompiler(make_backend, args.grammar_backend, timeout=args.grammar_compile_timeout)
 

@@ -193,7 +193,7 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
             tool_mode, sampling["ebnf"] = "auto", tool_calls.auto_grammar(tools)
     thinking = reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)
     if thinking is not None:
-        _think_first(engine.args.grammar_backend, thinking, body, sampling, tools, tool_mode)
+        _think_first(thinking, body, sampling, tools, tool_mode)
     elif body.max_reasoning_tokens is not None:
         raise APIError(400, "max_reasoning_tokens needs a model whose chat template has a reasoning section", param="max_reasoning_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -202,14 +202,11 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
     return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
 
 
-def _think_first(backend: str, fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sampling: dict[str, Any], tools: list, tool_mode: str | None) -> None:
+def _think_first(fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sampling: dict[str, Any], tools: list, tool_mode: str | None) -> None:
     """Let a reasoning model think before its constrained answer: the response format's or the
-    tools' constraint becomes the answer part of a reasoning grammar (llguidance's Lark)."""
+    tools' constraint becomes the answer part of a reasoning grammar (Lark, compiled by
+    llguidance whatever the grammar backend: constrained/lark_fallback.py)."""
     kinds = [k for k in ("regex", "ebnf", "json_schema") if k in sampling]
-    if backend != "llguidance":
-        if body.max_reasoning_tokens is not None:
-            raise APIError(400, "max_reasoning_tokens needs the llguidance grammar backend (--grammar-backend llguidance)", param="max_reasoning_tokens")
-        return  # the constraint covers the whole output: the model answers without reasoning
     param = "tools" if tool_mode else "response_format"
     if tool_mode == "auto":
         answer = [tool_calls.auto_grammar(tools, start="answer")]
