@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from compare import MODEL  # noqa: E402
 from peers import servers  # noqa: E402
 from report import write  # noqa: E402
-from scale_out import REPLICA_WORKLOADS, flush, measure, spawn_radixlm  # noqa: E402
+from scale_out import REPLICA_WORKLOADS, flush, measure, metric_cells, spawn_radixlm  # noqa: E402
 
 SETTINGS = {
     "cache_aware, abs 32 / rel 1.5 (SGLang-sized)": ["--policy", "cache_aware", "--balance-abs-threshold", "32"],
@@ -68,7 +68,7 @@ def report(results: dict[str, dict[str, dict]]) -> str:
     ]
     for name, per_workload in results.items():
         for w, r in per_workload.items():
-            lines.append(f"| {name} | {w} | {r['hit_rate']:.3f} | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p90']:.2f} |")
+            lines.append(f"| {name} | {w} | {metric_cells(r)} |")
     return "\n".join(lines) + "\n"
 
 

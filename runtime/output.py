@@ -7,7 +7,7 @@ import weakref
 from typing import Any
 
 from radixlm.runtime.request import Req, ReqOutput
-from radixlm.runtime.stop_regex import find_stop_regex, partial_stop_regex_len
+from radixlm.runtime.stop_regex import find_stop_regex, partial_stop_len, partial_stop_regex_len
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -47,7 +47,7 @@ class OutputBuilder:
             return matched
         hold = 0
         if not final:
-            hold = max(_partial_stop_suffix(full, p.stop), partial_stop_regex_len(full, p.stop_regex))
+            hold = max(partial_stop_len(full, p.stop), partial_stop_regex_len(full, p.stop_regex))
         req.text = full[: len(full) - hold]
         return None
 
@@ -167,15 +167,4 @@ def _first_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int
         i = text.find(s, scan_from)
         if i >= 0 and (best is None or i < best[0]):
             best = (i, i + len(s), s)
-    return best
-
-
-def _partial_stop_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest end of ``text`` that begins some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
     return best

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.runtime.stop_regex import partial_stop_len
+
 
 @dataclass(frozen=True)
 class ReasoningFormat:
@@ -62,16 +64,8 @@ def split(fmt: ReasoningFormat, text: str, final: bool = True) -> tuple[str | No
     if end >= 0:
         return body[:end].strip(), body[end + len(fmt.close) :].lstrip()
     if not final:  # held back: a piece of the closing marker, and trailing space (it may precede it)
-        body = body[: len(body) - _partial_suffix(body, fmt.close)]
+        body = body[: len(body) - partial_stop_len(body, [fmt.close])]
     return body.strip(), ""
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that starts ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def grammar(fmt: ReasoningFormat, answer_rules: list[str], max_tokens: int | None = None) -> str:

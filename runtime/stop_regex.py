@@ -118,6 +118,17 @@ def find_stop_regex(text: str, new_chars: int, patterns: list[str]) -> tuple[int
     return best
 
 
+def partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that begins (and is shorter than) some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
 def partial_stop_regex_len(text: str, patterns: list[str]) -> int:
     """Length of the longest end of ``text`` that could still grow into a match of a pattern."""
     hold = 0

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.stop_regex import partial_stop_len
 from radixlm.runtime.tool_calls import new_call_id
 from radixlm.runtime.tool_markers import CLOSE, OPEN
 
@@ -222,7 +223,7 @@ class ToolCallStreamer:
                 start = text.find(OPEN, max(self._searched - len(OPEN) + 1, 0))
                 self._searched = len(text)
                 if start < 0:
-                    held = next((k for k in range(len(OPEN) - 1, 0, -1) if text.endswith(OPEN[:k])), 0)
+                    held = partial_stop_len(text, [OPEN])
                     self._send_content(text[len(self._content) : len(text) - held].rstrip(), out)
                     return out
                 self._send_content(text[len(self._content) : start].rstrip(), out)
