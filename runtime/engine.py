@@ -31,6 +31,8 @@ import torch
 from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
 from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.runtime.cache_control import check_cache_options
+from radixlm.runtime.constrained.base import Matcher
+from radixlm.runtime.constrained.budget import BudgetMatcher, CloseVocab
 from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.disaggregation import Disaggregation, open_link_side
 from radixlm.runtime.faults import FatalEngineError
@@ -133,6 +135,7 @@ class Engine:
         self.kv, self.scheduler, self.grammars, self.pd = rt.kv, rt.scheduler, rt.grammars, rt.pd
         self.config = self.runner.config
         self.context_len = self.runner.context_len
+        self._close_vocab: CloseVocab | None = None  # built on the first request that closes JSON within budget
         self.end_ids = self.scheduler.end_ids
         # No token spells more characters than its vocabulary entry has, so a longer text than
         # this is over the context length for sure: refused before the (slow) tokenizer runs.
@@ -371,14 +374,23 @@ class Engine:
         """Compile the request's constraint (off the loop thread) and give it a matcher."""
         if req.params.constraint is not None:
             compiled = self.grammars.compile(*req.params.constraint)
-            req.grammar, req.constraint_warnings = compiled.matcher(), compiled.warnings
+            req.grammar, req.constraint_warnings = self._within_budget(req, compiled.matcher()), compiled.warnings
 
     async def attach_grammar_async(self, req: Req) -> None:
         """The awaitable form of ``attach_grammar``."""
         if req.params.constraint is not None:
             compiled = await self.grammars.compile_async(*req.params.constraint)
-            req.grammar = await asyncio.to_thread(compiled.matcher)  # its first mask is CPU work
-            req.constraint_warnings = compiled.warnings
+            matcher = await asyncio.to_thread(compiled.matcher)  # its first mask is CPU work
+            req.grammar, req.constraint_warnings = self._within_budget(req, matcher), compiled.warnings
+
+    def _within_budget(self, req: Req, matcher: Matcher) -> Matcher:
+        """``matcher``, wrapped to close its JSON in time when the request asks (close_json_within_budget)."""
+        if not req.params.close_json_within_budget:
+            return matcher
+        if self._close_vocab is None:
+            self._close_vocab = CloseVocab.from_tokenizer(self.tokenizer, self.config.vocab_size)
+        budget = min(req.params.max_new_tokens, self.context_len - len(req.input_ids))
+        return BudgetMatcher(matcher, self._close_vocab, budget)
 
     def submit(self, req: Req) -> None:
         """Queue a built request on the loop (ValueError when its rid is already in flight)."""

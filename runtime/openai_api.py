@@ -189,6 +189,8 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
             tool_mode, sampling["json_schema"] = "named", tool_calls.arguments_schema(named)
         elif choice == "required":
             tool_mode, sampling["json_schema"] = "required", tool_calls.required_schema(tools, body.parallel_tool_calls)
+        if tool_mode is not None:  # a whole call rather than one cut by max_tokens (constrained/budget.py)
+            sampling["close_json_within_budget"] = True
         else:
             tool_mode, sampling["ebnf"] = "auto", tool_calls.auto_grammar(tools)
     thinking = reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)
@@ -212,6 +214,7 @@ def _think_first(fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sa
         answer = [tool_calls.auto_grammar(tools, start="answer")]
     elif kinds == ["json_schema"] and (tool_mode or (body.response_format is not None and body.response_format.type != "text")):
         schema = sampling.pop("json_schema")
+        sampling.pop("close_json_within_budget", None)  # the output starts with free reasoning, not JSON
         if sampling.pop("json_schema_strict", True):
             schema = close_objects(schema)
         try:

@@ -61,6 +61,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     json_schema_strict: bool = True  # generate only the properties a schema declares (unless it allows others)
+    close_json_within_budget: bool = False  # steer JSON output to close before max_new_tokens (constrained/budget.py)
     ebnf: str | None = None
 
     @property
@@ -168,7 +169,7 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_schema_strict"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_schema_strict", "close_json_within_budget"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
