@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixlm.runtime import reasoning, tool_calls
+from radixlm.runtime import reasoning, tool_calls, tool_formats
 from radixlm.runtime.constrained.base import GrammarError
 from radixlm.runtime.constrained.llguidance_backend import FORMATS as LLGUIDANCE_FORMATS
 from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
@@ -36,6 +36,7 @@ from radixlm.runtime.protocol import (
 from radixlm.runtime.request import ReqOutput
 from radixlm.runtime.tokenizer import apply_chat_template
 from radixlm.runtime.tool_call_stream import ToolCallStreamer
+from radixlm.runtime.tool_formats import HERMES, ToolFormat
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
@@ -69,6 +70,7 @@ class _Plan:
     reasoning: reasoning.ReasoningFormat | None = None  # a reasoning model's markers (chat)
     tool_mode: str | None = None  # "required", "named", "auto"
     tool_name: str | None = None
+    tool_format: ToolFormat = HERMES  # how the model family writes ``auto`` calls
     cache_salt: str | None = None
     prompt_cache_key: str | None = None
     return_cache_info: bool = False
@@ -159,6 +161,7 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
         if named is None:
             raise APIError(400, f"tool_choice names {choice.function['name']!r}, which is not in tools", param="tool_choice")
     renders = tool_calls.template_renders_tools(engine.tokenizer)
+    tool_format = tool_formats.detect(engine.tokenizer) if renders else tool_formats.HERMES  # else our prompt teaches Hermes
     use_tools = tools if choice != "none" else []
     messages = tool_calls.template_messages(body.messages, use_tools, renders)
     try:
@@ -192,26 +195,38 @@ def _plan_chat(state: ServerState, body: ChatCompletionRequest) -> _Plan:
         if tool_mode is not None:  # a whole call rather than one cut by max_tokens (constrained/budget.py)
             sampling["close_json_within_budget"] = True
         else:
-            tool_mode, sampling["ebnf"] = "auto", tool_calls.auto_grammar(tools)
+            tool_mode, sampling["ebnf"] = "auto", _auto_grammar(engine, sampling, tools, body.parallel_tool_calls, tool_format)
     thinking = reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)
     if thinking is not None:
-        _think_first(thinking, body, sampling, tools, tool_mode)
+        auto_answer = _auto_grammar(engine, sampling, tools, body.parallel_tool_calls, tool_format, "answer") if tool_mode == "auto" else None
+        _think_first(thinking, body, sampling, tool_mode, auto_answer)
     elif body.max_reasoning_tokens is not None:
         raise APIError(400, "max_reasoning_tokens needs a model whose chat template has a reasoning section", param="max_reasoning_tokens")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
+    return _Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=_prediction(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
 
 
-def _think_first(fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sampling: dict[str, Any], tools: list, tool_mode: str | None) -> None:
+def _auto_grammar(engine, sampling: dict[str, Any], tools: list, parallel: bool, fmt: ToolFormat, start: str = "start") -> str:
+    """The ``tool_choice: "auto"`` grammar in the family's format; markers that are tokens of
+    their own are named by id, and kept in the text where they are special tokens
+    (skip_special_tokens off) so the parse finds them."""
+    ids = tool_formats.marker_ids(engine.tokenizer, fmt)
+    if set(ids.values()) & set(engine.tokenizer.all_special_ids):
+        sampling["skip_special_tokens"] = False
+    return tool_calls.auto_grammar(tools, start, fmt, parallel, ids)
+
+
+def _think_first(fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sampling: dict[str, Any], tool_mode: str | None, auto_answer: str | None) -> None:
     """Let a reasoning model think before its constrained answer: the response format's or the
     tools' constraint becomes the answer part of a reasoning grammar (Lark, compiled by
-    llguidance whatever the grammar backend: constrained/lark_fallback.py)."""
+    llguidance whatever the grammar backend: constrained/lark_fallback.py); ``auto_answer``: the
+    ``tool_choice: "auto"`` grammar, started at ``answer``."""
     kinds = [k for k in ("regex", "ebnf", "json_schema") if k in sampling]
     param = "tools" if tool_mode else "response_format"
-    if tool_mode == "auto":
-        answer = [tool_calls.auto_grammar(tools, start="answer")]
+    if auto_answer is not None:
+        answer = [auto_answer]
     elif kinds == ["json_schema"] and (tool_mode or (body.response_format is not None and body.response_format.type != "text")):
         schema = sampling.pop("json_schema")
         sampling.pop("close_json_within_budget", None)  # the output starts with free reasoning, not JSON
@@ -338,7 +353,7 @@ def _finish_reason(plan: _Plan, out: ReqOutput, has_calls: bool) -> str | None:
     fr = out.meta_info["finish_reason"]
     if fr is None:
         return None
-    if has_calls:
+    if has_calls and fr["type"] != "length":  # calls then a cut one (auto): "length", the whole ones kept
         return "tool_calls"
     if fr["type"] == "abort":
         return "abort"
@@ -349,7 +364,7 @@ def _tool_message(plan: _Plan, text: str) -> tuple[str | None, list[dict[str, An
     """Content and tool calls of a finished chat output."""
     if plan.tool_mode is None:
         return text, []
-    return tool_calls.parse_output(plan.tool_mode, text, plan.tool_name)
+    return tool_calls.parse_output(plan.tool_mode, text, plan.tool_name, plan.tool_format)
 
 
 def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict[str, Any]:
@@ -430,7 +445,7 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
     sent = {idx: 0 for idx, _, _ in started}
     sent_lp = {idx: 0 for idx, _, _ in started}
     thought_sent = {idx: "" for idx, _, _ in started}  # reasoning_content streamed so far
-    tools = {idx: ToolCallStreamer(plan.tool_mode, plan.tool_name) for idx, _, _ in started} if plan.chat and plan.tool_mode else None
+    tools = {idx: ToolCallStreamer(plan.tool_mode, plan.tool_name, plan.tool_format) for idx, _, _ in started} if plan.chat and plan.tool_mode else None
     if plan.chat:
         first = None if plan.tool_mode in ("named", "required") else ""  # these answer with calls, not content
         yield chunk([{"index": idx, "delta": {"role": "assistant", "content": first}, "logprobs": None, "finish_reason": None} for idx, _, _ in started])

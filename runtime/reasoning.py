@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from radixlm.runtime.constrained.specs import lark_json
 from radixlm.runtime.stop_regex import partial_stop_len
 
 
@@ -87,4 +88,4 @@ def grammar(fmt: ReasoningFormat, answer_rules: list[str], max_tokens: int | Non
 
 def json_answer(schema: Any) -> list[str]:
     """Answer rules for a JSON value of ``schema``."""
-    return [f"answer: %json {json.dumps(schema, ensure_ascii=False)}"]
+    return [f"answer: {lark_json(schema)}"]

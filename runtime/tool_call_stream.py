@@ -16,9 +16,12 @@ Per mode (see ``tool_calls``):
 
 - ``named``: the whole output is the arguments; the call opens with the first text.
 - ``required``: a JSON array of ``{"name": ..., "arguments": ...}``; each element is one call.
-- ``auto``: text, then ``<tool_call>{...}</tool_call>``. The text streams as content, except a
-  trailing run of whitespace and a trailing partial ``<tool_call>``, held until what follows
-  shows whether they are content (the content before a call drops its trailing whitespace).
+- ``auto``: text, then calls in the family's format (``tool_formats``): Hermes
+  ``<tool_call>{...}</tool_call>`` repeated, Mistral ``[TOOL_CALLS]`` and one array of calls,
+  Llama 3 calls from the first character on, separated by ``;``. The text streams as content,
+  except a trailing run of whitespace and a trailing partial marker, held until what follows
+  shows whether they are content (the content before a call drops its trailing whitespace; a
+  Llama 3 answer is content unless its first character, whitespace aside, is ``{``).
 
 A cut output (``max_tokens`` inside a call) parses to no call: the non-streamed response has
 finish_reason ``"length"``, no calls, and (named, required) no content, or (auto) the text before
@@ -40,7 +43,7 @@ from typing import Any
 
 from radixlm.runtime.stop_regex import partial_stop_len
 from radixlm.runtime.tool_calls import new_call_id
-from radixlm.runtime.tool_markers import CLOSE, OPEN
+from radixlm.runtime.tool_formats import ARGUMENT_KEYS, HERMES, ToolFormat
 
 logger = logging.getLogger(__name__)
 
@@ -171,16 +174,16 @@ class ToolCallStreamer:
     last ones, which make the streamed message equal to the non-streamed one.
     """
 
-    def __init__(self, mode: str, name: str | None = None) -> None:
+    def __init__(self, mode: str, name: str | None = None, fmt: ToolFormat = HERMES) -> None:
         if mode not in ("named", "required", "auto") or (mode == "named") != (name is not None):
             raise ValueError(f"bad tool mode {mode!r} (name {name!r})")
-        self.mode = mode
+        self.mode, self.fmt = mode, fmt
         self._text = ""  # the output so far
         self._calls: list[_Call] = []  # in output order, the last one being read
         self._opened: list[_Call] = []  # those whose first delta was sent, by index
         self._content = ""  # content sent
-        self._searched = 0  # auto: the text before this holds no OPEN
-        self._stage = "text"  # auto: "text", "call", "close", "open" (the next call), "done"
+        self._searched = 0  # auto: the text before this holds no opening marker
+        self._stage = "text"  # auto: "text", "plain" (all content), "call", "close", "open" (the next call), "done"
         self._at = 0  # auto: where the "close"/"open" stage looks
         self._scanner: _JsonScanner | None = None
         self._depth = 1 if mode == "required" else 0  # path length of a call object
@@ -196,7 +199,7 @@ class ToolCallStreamer:
             self._calls.append(_Call())
         elif rel == ("name",):
             self._calls[-1].name_start = pos
-        elif rel == ("arguments",):
+        elif len(rel) == 1 and rel[0] in ARGUMENT_KEYS:
             self._calls[-1].args_start = pos
 
     def _value_ended(self, path: Path, end: int) -> None:
@@ -206,7 +209,7 @@ class ToolCallStreamer:
         call = self._calls[-1]
         if rel == ("name",) and call.name_start is not None:
             call.name = _string(self._text[call.name_start : end])
-        elif rel == ("arguments",):
+        elif len(rel) == 1 and rel[0] in ARGUMENT_KEYS:
             call.args_end = end
 
     def _read(self, text: str) -> list[dict[str, Any]]:
@@ -218,25 +221,38 @@ class ToolCallStreamer:
         if self.mode == "named":
             return []
         out: list[dict[str, Any]] = []
+        fmt = self.fmt
         while True:
-            if self._stage == "text":
-                start = text.find(OPEN, max(self._searched - len(OPEN) + 1, 0))
+            if self._stage == "text" and not fmt.open:  # Llama 3: the first character decides
+                i = len(text) - len(text.lstrip(_WS))
+                if i == len(text):
+                    return out  # whitespace so far: held
+                if text[i] == "{":
+                    self._begin_call(i)
+                else:
+                    self._stage = "plain"
+            elif self._stage == "text":
+                start = text.find(fmt.open, max(self._searched - len(fmt.open) + 1, 0))
                 self._searched = len(text)
                 if start < 0:
-                    held = partial_stop_len(text, [OPEN])
+                    held = partial_stop_len(text, [fmt.open])
                     self._send_content(text[len(self._content) : len(text) - held].rstrip(), out)
                     return out
                 self._send_content(text[len(self._content) : start].rstrip(), out)
-                self._begin_call(start + len(OPEN))
+                self._begin_call(start + len(fmt.open), list_of_calls=fmt.as_list)
+            elif self._stage == "plain":
+                self._send_content(text[len(self._content) :], out)
+                return out
             elif self._stage == "call":
                 self._scanner.feed(text)
                 if self._scanner.end is None:
                     return out
-                self._stage, self._at = "close", self._scanner.end
+                self._stage = "done" if fmt.as_list else "close" if fmt.close else "open"
+                self._at = self._scanner.end
             else:  # "close" then "open": whitespace, the marker, whitespace, the next call's marker
                 if self._stage == "done":
                     return out
-                marker = CLOSE if self._stage == "close" else OPEN
+                marker = fmt.close if self._stage == "close" else fmt.open if fmt.close else fmt.separator
                 i = self._at
                 while i < len(text) and text[i] in _WS:
                     i += 1
@@ -251,8 +267,9 @@ class ToolCallStreamer:
                 else:
                     self._stage = "done"  # the parse reads no further call
 
-    def _begin_call(self, pos: int) -> None:
-        self._stage = "call"
+    def _begin_call(self, pos: int, list_of_calls: bool = False) -> None:
+        """Read a call object (or, ``list_of_calls``, an array of them) from ``pos`` on."""
+        self._stage, self._depth = "call", 1 if list_of_calls else 0
         self._scanner = _JsonScanner(pos, self._value_started, self._value_ended)
 
     def _send_content(self, piece: str, out: list[dict[str, Any]]) -> None:

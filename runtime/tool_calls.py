@@ -1,14 +1,15 @@
 """Tool calls: prompting for them, constraining them, and parsing them out of generated text.
 
-The call format is the one many chat templates use: ``<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>``. For a template that renders ``tools`` itself, tools go to the template;
-otherwise a system message describes them and the format.
+The call format of ``auto`` output is the model family's (``tool_formats``: Hermes/Qwen
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, Mistral ``[TOOL_CALLS][...]``,
+Llama 3 ``{"name": ..., "parameters": {...}}``). For a template that renders ``tools`` itself,
+tools go to the template; otherwise a system message describes them and the Hermes format.
 
 - ``tool_choice="required"``: the whole output is constrained to a JSON array of calls (one at
   most when ``parallel_tool_calls`` is false), each valid against its tool's parameters.
 - a named function: the output is constrained to that function's arguments object.
-- ``"auto"``: free text, but once the model opens ``<tool_call>`` the rest is constrained to a
-  valid call and ``</tool_call>`` (a Lark grammar with a ``stop`` lexeme; llguidance backend).
+- ``"auto"``: free text, or (after text, where the format has an opening marker) calls in the
+  family's format, each constrained to a valid call (a Lark grammar; llguidance backend).
 
 Arguments are generated strictly: only the properties a tool's parameters declare, unless the
 tool sets ``strict: false`` or its schema allows others explicitly.
@@ -22,7 +23,9 @@ import uuid
 from typing import Any
 
 from radixlm.runtime.constrained.schema_strict import close_objects
+from radixlm.runtime.constrained.specs import lark_json
 from radixlm.runtime.protocol import ChatMessage, Tool
+from radixlm.runtime.tool_formats import ARGUMENT_KEYS, HERMES, ToolFormat
 from radixlm.runtime.tool_markers import CLOSE, OPEN
 
 
@@ -33,18 +36,18 @@ def arguments_schema(tool: Tool) -> dict[str, Any]:
     return params if tool.function.strict is False else close_objects(params)
 
 
-def call_schema(tool: Tool) -> dict[str, Any]:
-    """JSON schema of one call of ``tool``: its name and valid arguments."""
+def call_schema(tool: Tool, args_key: str = "arguments") -> dict[str, Any]:
+    """JSON schema of one call of ``tool``: its name and valid arguments (under ``args_key``)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.function.name}, "arguments": arguments_schema(tool)},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.function.name}, args_key: arguments_schema(tool)},
+        "required": ["name", args_key],
         "additionalProperties": False,
     }
 
 
-def _any_call(tools: list[Tool]) -> dict[str, Any]:
-    return call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
+def _any_call(tools: list[Tool], args_key: str = "arguments") -> dict[str, Any]:
+    return call_schema(tools[0], args_key) if len(tools) == 1 else {"anyOf": [call_schema(t, args_key) for t in tools]}
 
 
 def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
@@ -55,17 +58,29 @@ def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
     return schema
 
 
-def auto_grammar(tools: list[Tool], start: str = "start") -> str:
-    """Lark grammar for ``tool_choice="auto"``: free text, or text then one constrained call
-    (``start``: the name of its start rule, for embedding it in a larger grammar)."""
-    return "\n".join(
-        [
-            f'{start}: TEXT | pre call "</tool_call>"',
-            "TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/",
-            'pre[stop="<tool_call>"]: /(?s:.*)/',
-            f"call: %json {json.dumps(_any_call(tools))}",
-        ]
-    )
+def auto_grammar(tools: list[Tool], start: str = "start", fmt: ToolFormat = HERMES, parallel: bool = True, marker_ids: dict[str, int] | None = None) -> str:
+    """Lark grammar for ``tool_choice="auto"``: free text, or calls in ``fmt`` (one unless
+    ``parallel``), after text where the format opens with a marker. ``marker_ids``: the markers
+    that are tokens of their own, named by id (tool_formats.marker_ids). ``start`` names the
+    start rule (to embed the grammar in a larger one)."""
+    ids = marker_ids or {}
+    lit = lambda text: f"<[{ids[text]}]>" if text in ids else json.dumps(text)  # noqa: E731
+    if fmt.as_list:
+        calls = [f"calls: {lark_json(required_schema(tools, parallel), ', ', ': ')}"]
+    else:
+        close = f" {lit(fmt.close)}" if fmt.close else ""
+        between = lit(fmt.open) if fmt.close else json.dumps(fmt.separator)  # the next call's marker, or the separator
+        more = f" (SP {between} SP call{close})*" if parallel else ""
+        calls = [f"calls: call{close}{more}", f"call: {lark_json(_any_call(tools, fmt.args_key), ', ', ': ')}"]  # as the families write calls
+    if not fmt.open:  # the answer is either text that does not begin like a call, or the calls
+        head = [f"{start}: TEXT | SP calls", "TEXT: /(?s:.*)/ & ~/[ \\t\\r\\n]*[{](?s:.*)/"]
+    else:
+        no_marker = "TEXT: /(?s:.*)/ & ~/(?s:.*" + re.escape(fmt.open).replace("/", "\\/") + ".*)/"
+        if fmt.open in ids:  # a token of its own: text, the token, the calls
+            head = [f"{start}: TEXT | TEXT {lit(fmt.open)} SP calls", no_marker]
+        else:  # spelled out: the text lexeme stops at the marker
+            head = [f"{start}: TEXT | pre SP calls", no_marker, f"pre[stop={json.dumps(fmt.open)}]: /(?s:.*)/"]
+    return "\n".join([*head, *calls, "SP: /[ \\t\\r\\n]*/"])
 
 
 def template_renders_tools(tokenizer) -> bool:
@@ -139,7 +154,10 @@ def _raw_call(text: str, pos: int) -> tuple[dict[str, Any], int]:
     """The call object at ``text[pos:]`` (whitespace first allowed) and where it ends."""
     pos = _WS.match(text, pos).end()
     body, end = _decoder.raw_decode(text, pos)
-    name, _ = body["name"], body["arguments"]  # KeyError/TypeError: not a call
+    name = body["name"]  # KeyError/TypeError: not a call
+    args_key = next((k for k in ARGUMENT_KEYS if k in body), None)
+    if args_key is None:
+        raise KeyError("arguments")
     spans: dict[str, tuple[int, int]] = {}
     i = _WS.match(text, pos + 1).end()  # the object is valid JSON: walk its members
     while text[i] != "}":
@@ -150,7 +168,7 @@ def _raw_call(text: str, pos: int) -> tuple[dict[str, Any], int]:
         i = _WS.match(text, value_end).end()
         if text[i] == ",":
             i = _WS.match(text, i + 1).end()
-    start, stop = spans["arguments"]
+    start, stop = spans[args_key]
     return make_call(name, text[start:stop]), end
 
 
@@ -158,20 +176,32 @@ def parse_required(text: str) -> list[dict[str, Any]]:
     """Calls from a ``required``-mode output (a JSON array of {name, arguments})."""
     if not isinstance(json.loads(text), list):
         raise TypeError("not an array of calls")
+    return _array_calls(text, _WS.match(text).end())
+
+
+def _array_calls(text: str, pos: int) -> list[dict[str, Any]]:
+    """The calls of the array that opens at ``text[pos]``; of an array cut short, the whole
+    calls before the cut (a call that is not one raises KeyError/TypeError)."""
+    if not text.startswith("[", pos):
+        raise TypeError("not an array of calls")
     calls = []
-    i = _WS.match(text, _WS.match(text).end() + 1).end()  # past '['
-    while text[i] != "]":
-        call, i = _raw_call(text, i)
+    i = _WS.match(text, pos + 1).end()
+    while i < len(text) and text[i] != "]":
+        try:
+            call, i = _raw_call(text, i)
+        except json.JSONDecodeError:
+            break  # cut inside this call
         calls.append(call)
         i = _WS.match(text, i).end()
-        if text[i] == ",":
+        if text.startswith(",", i):
             i += 1
         i = _WS.match(text, i).end()
     return calls
 
 
-def parse_output(mode: str, text: str, name: str | None = None) -> tuple[str | None, list[dict[str, Any]]]:
-    """Content and calls of a finished output in tool mode ``mode`` (``name``: the named function).
+def parse_output(mode: str, text: str, name: str | None = None, fmt: ToolFormat = HERMES) -> tuple[str | None, list[dict[str, Any]]]:
+    """Content and calls of a finished output in tool mode ``mode`` (``name``: the named function;
+    ``fmt``: the family's format of ``auto`` output).
 
     A ``named`` or ``required`` output cut by max_tokens holds no whole call: no calls and no
     content (the partial JSON is not passed off as an answer; finish_reason says "length")."""
@@ -183,33 +213,73 @@ def parse_output(mode: str, text: str, name: str | None = None) -> tuple[str | N
             return None, parse_required(text)
     except (json.JSONDecodeError, KeyError, TypeError):
         return None, []
-    return parse_auto(text)
+    return parse_auto(text, fmt)
 
 
-def parse_auto(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Split ``auto``-mode output into the text before the call and the calls it contains.
+def parse_auto(text: str, fmt: ToolFormat = HERMES) -> tuple[str | None, list[dict[str, Any]]]:
+    """Split ``auto``-mode output into the text before the calls and the calls it contains.
 
     The text before a call keeps its leading whitespace and drops its trailing whitespace (a
-    stream can send it as it comes); an output with no call is all content.
-    """
-    start = text.find(OPEN)
+    stream can send it as it comes); an output with no call is all content. Calls cut by
+    max_tokens are left out (the whole ones before them stay)."""
+    if fmt.as_list:
+        return _parse_list(text, fmt)
+    if not fmt.open:
+        return _parse_bare(text, fmt)
+    start = text.find(fmt.open)
     if start < 0:
         return text, []
     content = text[:start].rstrip() or None
     calls = []
     pos = start
-    while text.startswith(OPEN, pos):
+    while text.startswith(fmt.open, pos):
         try:
-            call, end = _raw_call(text, pos + len(OPEN))
+            call, end = _raw_call(text, pos + len(fmt.open))
         except json.JSONDecodeError:
-            if text.find(CLOSE, pos) < 0:
+            if text.find(fmt.close, pos) < 0:
                 break  # cut by max_tokens inside the call
             return text, []
         except (KeyError, TypeError):
             return text, []
         end = _WS.match(text, end).end()
-        if not text.startswith(CLOSE, end):
+        if not text.startswith(fmt.close, end):
             break
         calls.append(call)
-        pos = _WS.match(text, end + len(CLOSE)).end()
+        pos = _WS.match(text, end + len(fmt.close)).end()
     return content, calls
+
+
+def _parse_list(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict[str, Any]]]:
+    """Mistral: the text before the marker, and the JSON array of calls after it."""
+    start = text.find(fmt.open)
+    if start < 0:
+        return text, []
+    content = text[:start].rstrip() or None
+    rest = start + len(fmt.open)
+    if _WS.match(text, rest).end() == len(text):
+        return content, []  # cut right after the marker
+    try:
+        return content, _array_calls(text, _WS.match(text, rest).end())
+    except (KeyError, TypeError):
+        return text, []
+
+
+def _parse_bare(text: str, fmt: ToolFormat) -> tuple[str | None, list[dict[str, Any]]]:
+    """Llama 3: an answer that begins with ``{`` is calls separated by ``fmt.separator``."""
+    pos = _WS.match(text).end()
+    if not text.startswith("{", pos):
+        return text, []
+    calls = []
+    while True:
+        try:
+            call, end = _raw_call(text, pos)
+        except json.JSONDecodeError:
+            break  # cut by max_tokens inside a call
+        except (KeyError, TypeError):
+            return text, []
+        calls.append(call)
+        end = _WS.match(text, end).end()
+        if not text.startswith(fmt.separator, end):
+            break
+        pos = _WS.match(text, end + len(fmt.separator)).end()
+    return None, calls

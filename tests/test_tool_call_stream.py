@@ -12,22 +12,23 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from radixlm.runtime import tool_calls
 from radixlm.runtime.tool_call_stream import ToolCallStreamer
+from radixlm.runtime.tool_formats import FORMATS, HERMES, LLAMA3, MISTRAL, ToolFormat
 from radixlm.runtime.tool_markers import CLOSE, OPEN
 
 
 # ---------------------------------------------------------------- helpers
-def _parse(mode: str, text: str, name: str | None = None) -> tuple[str | None, list[dict]]:
+def _parse(mode: str, text: str, name: str | None = None, fmt: ToolFormat = HERMES) -> tuple[str | None, list[dict]]:
     """The non-streamed message (what openai_api._tool_message returns)."""
-    return tool_calls.parse_output(mode, text, name)
+    return tool_calls.parse_output(mode, text, name, fmt)
 
 
-def _stream(mode: str, text: str, cuts: list[int], name: str | None = None) -> list[dict]:
+def _stream(mode: str, text: str, cuts: list[int], name: str | None = None, fmt: ToolFormat = HERMES) -> list[dict]:
     """All deltas of ``text`` fed at the prefix lengths ``cuts``, then finished."""
-    streamer = ToolCallStreamer(mode, name)
+    streamer = ToolCallStreamer(mode, name, fmt)
     deltas = []
     for n in cuts:
         deltas += streamer.feed(text[:n])
-    content, calls = _parse(mode, text, name)
+    content, calls = _parse(mode, text, name, fmt)
     return deltas + streamer.finish(text, content, calls)
 
 
@@ -53,9 +54,9 @@ def _assemble(deltas: list[dict]) -> tuple[str, list[dict]]:
     return content, calls
 
 
-def _check_whole(mode: str, text: str, cuts: list[int], name: str | None = None) -> None:
-    content, calls = _assemble(_stream(mode, text, cuts, name))
-    want_content, want_calls = _parse(mode, text, name)
+def _check_whole(mode: str, text: str, cuts: list[int], name: str | None = None, fmt: ToolFormat = HERMES) -> None:
+    content, calls = _assemble(_stream(mode, text, cuts, name, fmt))
+    want_content, want_calls = _parse(mode, text, name, fmt)
     assert content == (want_content or "")
     assert [(c["name"], c["arguments"]) for c in calls] == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
 
@@ -76,9 +77,9 @@ def _dump(value, layout) -> str:
     return json.dumps(value, indent=indent, separators=seps, ensure_ascii=ascii_only)
 
 
-def _call_text(name: str, arguments, layout, args_first: bool = False) -> str:
+def _call_text(name: str, arguments, layout, args_first: bool = False, args_key: str = "arguments") -> str:
     _, (item, key), _ = layout
-    parts = [f'"name"{key}{_dump(name, layout)}', f'"arguments"{key}{_dump(arguments, layout)}']
+    parts = [f'"name"{key}{_dump(name, layout)}', f'"{args_key}"{key}{_dump(arguments, layout)}']
     return "{" + item.join(parts[::-1] if args_first else parts) + " }"
 
 
@@ -109,6 +110,24 @@ def auto_outputs(draw) -> str:
         calls = draw(st.lists(st.tuples(names, objects), min_size=1, max_size=2))
         gap = draw(st.sampled_from(["", " ", "\n"]))
         text += gap.join(OPEN + gap + _call_text(n, a, layout) + gap + CLOSE for n, a in calls)
+    return text
+
+
+@st.composite
+def family_outputs(draw, fmt: ToolFormat) -> str:
+    """``auto`` output in a family's format: text, calls, or (where a marker opens them) both."""
+    if fmt is HERMES:
+        return draw(auto_outputs())
+    text = draw(st.lists(st.sampled_from(["Sure", " ", "\n", "[", "[TOOL", "a;b", "é", "{"]), max_size=6).map("".join))
+    text = text.replace(fmt.open, "") if fmt.open else text.lstrip(" \n").lstrip("{")
+    if draw(st.booleans()):
+        layout = draw(layouts)
+        calls = [_call_text(n, a, layout, args_key=fmt.args_key) for n, a in draw(st.lists(st.tuples(names, objects), min_size=1, max_size=3))]
+        gap = draw(st.sampled_from(["", " ", "\n"]))
+        if fmt is MISTRAL:
+            text += fmt.open + gap + "[" + ("," + gap).join(calls) + "]"
+        else:  # Llama 3: the calls are the whole answer
+            text = gap + (gap + ";" + gap).join(calls)
     return text
 
 
@@ -315,3 +334,44 @@ def test_a_call_cut_by_max_tokens_ends_with_length_and_no_fabricated_call(oai):
     assert ref.message.content is None and not got.message.content, "no partial JSON passed off as content"
     for name, _ in _calls(got.message):  # a call the stream had opened is the one tool's
         assert name == WEATHER["function"]["name"]
+
+
+# ------------------------------------------------------------- the other families' formats
+@FAST
+@given(st.data(), st.sampled_from([MISTRAL, LLAMA3]))
+def test_family_auto_outputs_in_any_chunking_assemble_to_the_parsed_message(data, fmt):
+    text = data.draw(family_outputs(fmt))
+    _check_whole("auto", text, data.draw(chunkings(text)), fmt=fmt)
+
+
+@FAST
+@given(st.data(), st.sampled_from(list(FORMATS.values())))
+def test_a_cut_family_output_streams_a_prefix_and_keeps_the_whole_calls(data, fmt):
+    whole = data.draw(family_outputs(fmt))
+    text = whole[: data.draw(st.integers(0, max(len(whole) - 1, 0)))]
+    content, calls = _assemble(_stream("auto", text, data.draw(chunkings(text)), fmt=fmt))
+    want_content, want_calls = _parse("auto", text, fmt=fmt)
+    _, full = _parse("auto", whole, fmt=fmt)
+    for got, ref in zip(calls, full):
+        assert got["name"] == ref["function"]["name"] and ref["function"]["arguments"].startswith(got["arguments"])
+    assert [(c["name"], c["arguments"]) for c in calls[: len(want_calls)]] == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    assert len(calls) <= len(want_calls) + 1
+    if not calls:
+        assert content == (want_content or "")
+
+
+def test_llama3_answer_is_content_unless_it_begins_with_a_brace():
+    for text in ["The weather is fine; {ok}", "  ", "", " x {"]:
+        content, calls = _assemble(_stream("auto", text, list(range(1, len(text) + 1)), fmt=LLAMA3))
+        assert content == text and calls == []
+    text = '\n{"name": "f", "parameters": {"a": "}; {"}} ; {"name": "g", "parameters": {}}'
+    content, calls = _assemble(_stream("auto", text, list(range(1, len(text) + 1)), fmt=LLAMA3))
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("f", '{"a": "}; {"}'), ("g", "{}")]
+
+
+def test_mistral_marker_is_never_content_and_opens_the_call_list():
+    text = 'Let me see. [TOOL_CALLS] [{"name": "f", "arguments": {"q": "[TOOL_CALLS]"}}, {"name": "g", "arguments": []}]'
+    deltas = _stream("auto", text, list(range(1, len(text) + 1)), fmt=MISTRAL)
+    content, calls = _assemble(deltas)
+    assert content == "Let me see." and [(c["name"], c["arguments"]) for c in calls] == [("f", '{"q": "[TOOL_CALLS]"}'), ("g", "[]")]
+    assert all("[TOOL" not in d.get("content", "") for d in deltas)

@@ -257,3 +257,11 @@ def _satisfiable(node: Any, finite: set[str]) -> bool:
             if min_items > len(prefix) and isinstance(node.get("items"), (dict, bool)) and not _satisfiable(node["items"], finite):
                 return False
     return True
+
+
+def lark_json(schema: Any, item: str = ",", key: str = ":") -> str:
+    """A Lark ``%json`` lexeme of ``schema`` with fixed separators and no free whitespace, as the
+    backends' json_schema path generates (llguidance's default inside Lark lets whitespace run on)."""
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False, "item_separator": item, "key_separator": key}}
+    return "%json " + json.dumps(schema, ensure_ascii=False)
