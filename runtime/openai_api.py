@@ -232,11 +232,11 @@ def _think_first(fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sa
         sampling.pop("close_json_within_budget", None)  # the output starts with free reasoning, not JSON
         if sampling.pop("json_schema_strict", True):
             schema = close_objects(schema)
-        try:
-            rewrite = rewrite_schema(schema, LLGUIDANCE_FORMATS)
+        try:  # refused here, by the field's name; the backend rewrites the %json lexeme itself (with warnings)
+            rewrite_schema(schema, LLGUIDANCE_FORMATS)
         except GrammarError as exc:
             raise APIError(400, str(exc), param=param) from None
-        answer = reasoning.json_answer(rewrite.schema)
+        answer = reasoning.json_answer(schema)
     elif not kinds and body.max_reasoning_tokens is not None:
         answer = ["answer: ANSWER", "ANSWER: /(?s:.*)/"]
     else:
@@ -305,7 +305,7 @@ async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
 
 def _field_error(err: APIError, plan: _Plan) -> APIError:
     """Rename engine-side fields to the OpenAI request's (json_schema -> tools, ...)."""
-    if err.param in ("json_schema",) and plan.tool_mode:
+    if err.param in ("json_schema", "ebnf") and plan.tool_mode:
         err.param = "tools"
     elif err.param == "json_schema" and plan.chat:
         err.param = "response_format"
@@ -387,9 +387,12 @@ def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict
 
 
 def _with_cache_info(plan: _Plan, out: ReqOutput, choice: dict[str, Any]) -> dict[str, Any]:
-    """Add the request's cache explanation to its (final) choice when the client asked for it."""
+    """Add to a finished request's choice its cache explanation (when the client asked for it)
+    and what its constraint does not enforce (``constraint_warnings``, e.g. an ignored format)."""
     if plan.return_cache_info and out.finished and "cache_info" in out.meta_info:
         choice["cache_info"] = out.meta_info["cache_info"]
+    if out.finished and out.meta_info.get("constraint_warnings"):
+        choice["constraint_warnings"] = out.meta_info["constraint_warnings"]
     return choice
 
 

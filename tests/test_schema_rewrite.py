@@ -275,3 +275,16 @@ def test_hostile_schemas_are_refused_or_left_alone():
         nested = {"allOf": [copy.deepcopy(nested) for _ in range(4)]}
     branches = [{"type": "integer", **nested}, {"type": "string"}] + [{"const": [i]} for i in range(200)]
     assert rewrite_schema({"oneOf": branches}, LLG_FORMATS).schema["anyOf"][1] == {"type": "string"}
+
+
+def test_rewrite_lark_rewrites_each_json_lexeme_and_collects_its_warnings():
+    from radixlm.runtime.constrained.schema_rewrite import rewrite_lark
+
+    one = {"oneOf": [{"type": "integer"}, {"type": "string"}]}
+    fmt = {"type": "string", "format": "semver"}
+    grammar = f'start: a | b\na: "x" %json {json.dumps(one)}\nb: %json{json.dumps(fmt)}\nc: "%json {{not json"'
+    out, warnings = rewrite_lark(grammar, frozenset())
+    assert '%json {"anyOf": [{"type": "integer"}, {"type": "string"}]}' in out
+    assert '"format"' not in out and out.endswith('c: "%json {not json"')
+    assert warnings == ["format 'semver' at / is not enforced: the grammar backend does not know it"]
+    assert rewrite_lark("start: /a+/", frozenset()) == ("start: /a+/", [])

@@ -99,3 +99,29 @@ def test_an_unknown_format_is_reported_in_meta_info_and_an_overlapping_one_of_is
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": overlapping}}
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "n?"}], "response_format": fmt, "max_tokens": 8})
         assert r.status_code == 400 and "oneOf" in r.json()["message"] and r.json()["param"] == "response_format", r.text
+
+
+def test_openai_choices_carry_the_constraint_warnings_streamed_or_not(oai):
+    schema = {"type": "object", "properties": {"v": {"type": "string", "format": "semver", "maxLength": 6}}, "required": ["v"]}
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "version?"}], max_tokens=30, temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "v", "schema": schema}})
+    want = ["format 'semver' at /properties/v is not enforced: the grammar backend does not know it"]
+    assert oai.chat.completions.create(**kw).choices[0].model_extra["constraint_warnings"] == want
+    finals = [c for chunk in oai.chat.completions.create(**kw, stream=True) for c in chunk.choices if c.finish_reason]
+    assert [c.model_extra.get("constraint_warnings") for c in finals] == [want]
+    assert "constraint_warnings" not in oai.chat.completions.create(**{**kw, "response_format": {"type": "json_object"}}).choices[0].model_extra
+
+
+def test_auto_tool_arguments_get_the_schema_rewrites_and_their_warnings(oai):
+    """The auto grammar embeds the arguments schemas in Lark (%json): they are rewritten too."""
+    params = {
+        "type": "object",
+        "properties": {"v": {"type": "string", "format": "semver", "maxLength": 6}, "n": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}},
+        "required": ["v", "n"],
+    }
+    tool = {"type": "function", "function": {"name": "bump", "parameters": params}}
+    res = oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Bump it."}], tools=[tool], max_tokens=40, temperature=0)
+    assert res.choices[0].model_extra["constraint_warnings"] == ["format 'semver' at /properties/arguments/properties/v is not enforced: the grammar backend does not know it"]  # in the call
+    overlapping = {**params, "properties": {**params["properties"], "n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Bump it."}], tools=[{"type": "function", "function": {"name": "bump", "parameters": overlapping}}], max_tokens=8)
+    assert err.value.body["param"] == "tools" and "oneOf" in err.value.body["message"]

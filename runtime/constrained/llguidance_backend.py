@@ -9,7 +9,7 @@ import threading
 import torch
 
 from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
-from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
+from radixlm.runtime.constrained.schema_rewrite import rewrite_lark, rewrite_schema
 from radixlm.runtime.constrained.specs import (
     check_finite,
     check_refs,
@@ -223,7 +223,8 @@ class LLGuidanceBackend(GrammarBackend):
                     lark = gbnf_to_lark(spec)
                 except Exception as exc:
                     raise GrammarError(f"ebnf: cannot parse the GBNF grammar: {exc}") from None
-            return LLMatcher.grammar_from_lark(lark), None, []
+            lark, warnings = rewrite_lark(lark, FORMATS)  # its %json lexemes get the schema rewrites
+            return LLMatcher.grammar_from_lark(lark), None, warnings
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
     def compile(self, kind: str, spec: str, timeout: float | None = None) -> LLGuidanceGrammar:

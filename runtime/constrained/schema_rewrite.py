@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +70,28 @@ def rewrite_schema(schema: Any, native_formats: frozenset[str] | set[str]) -> Re
     out = Rewrite(copy.deepcopy(schema))
     _Rewriter(out, frozenset(native_formats)).walk(out.schema, "")
     return out
+
+
+_JSON_LEXEME = re.compile(r"%json\s*(?=\{)")
+
+
+def rewrite_lark(grammar: str, native_formats: frozenset[str] | set[str]) -> tuple[str, list[str]]:
+    """A Lark grammar with each ``%json {...}`` schema rewritten (``rewrite_schema``), and the
+    warnings of all of them; a schema that does not parse as JSON is left for the backend."""
+    decoder = json.JSONDecoder()
+    pieces, warnings, at = [], [], 0
+    for m in _JSON_LEXEME.finditer(grammar):
+        if m.start() < at:
+            continue
+        try:
+            schema, end = decoder.raw_decode(grammar, m.end())
+        except json.JSONDecodeError:
+            continue
+        rewrite = rewrite_schema(schema, native_formats)
+        warnings += [w for w in rewrite.warnings if w not in warnings]
+        pieces += [grammar[at : m.end()], json.dumps(rewrite.schema, ensure_ascii=False)]
+        at = end
+    return "".join(pieces) + grammar[at:], warnings
 
 
 # ------------------------------------------------------------------- rewrites
