@@ -13,6 +13,15 @@ path; a draft model's proposal distribution (``req.draft_probs``) goes to ``acce
 Greedy output is therefore identical with and without jump-forward; each pass still yields one
 token at least, and one per accepted draft more.
 
+Lazy masking (``--grammar-mask lazy``, the default): a constrained row whose pick does not depend
+on what the mask leaves (greedy, or temperature without top-k/top-p/min-p) and whose grammar
+forces no text is picked first without its mask; the grammar then takes the pick, or refuses it,
+and only then is the mask computed and the row picked again with the same noise, which gives the
+masked pick exactly (``sampler.sample``). Forced text is left to the mask because there the mask
+allows only the canonical tokens of that text, while the grammar would take any split of it.
+Where a grammar allows most of the vocabulary (inside strings: the slowest masks) the mask is
+rarely needed.
+
 Every per-request step (prompt logprobs, grammar mask, sampling, verification, appending) runs
 under its own guard: a request whose step raises, or whose logits are not finite, is returned as
 failed (``FinishReason.failure``) and the others carry on.
@@ -31,7 +40,7 @@ from radixlm.runtime.constrained.jump_forward import draft_tokens
 from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req
-from radixlm.runtime.sampler import SamplingRow, accept_draft, prompt_logprobs, sample
+from radixlm.runtime.sampler import SamplingRow, accept_draft, exact_without_mask, prompt_logprobs, sample
 from radixlm.runtime.schedule_batch import LogitSpans
 from radixlm.runtime.server_args import ServerArgs
 
@@ -68,6 +77,8 @@ class Decoder:
         self.context_len = context_len
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(args.random_seed)
+        self.grammar_masks = 0  # grammar masks computed
+        self.grammar_lazy_picks = 0  # constrained picks the grammar took without a mask (lazy masking)
 
     # ------------------------------------------------------------ the step
     def process(self, logits: torch.Tensor, spans: LogitSpans) -> list[tuple[Req, FinishReason]]:
@@ -128,34 +139,57 @@ class Decoder:
     def _pick_plain(self, logits: torch.Tensor, plain: list[tuple[Req, int]], failed: dict[Req, str]) -> list[_Picked]:
         """Sample one token for each plain row: batched, or row by row when the batch raises."""
         masks: dict[Req, torch.Tensor | None] = {}
+        lazy: set[Req] = set()  # picked before their mask; ``taken``: those whose grammar took the pick
         for req, _ in plain:
             try:
-                masks[req] = self._grammar_row_mask(req)
+                if self._may_mask_lazily(req):
+                    lazy.add(req)
+                    masks[req] = None
+                else:
+                    masks[req] = self._grammar_row_mask(req)
             except Exception as exc:
                 self._fail(req, failed, "computing the grammar mask", exc)
         plain = [(req, first) for req, first in plain if req not in failed]
         if not plain:
             return []
+        taken: set[Req] = set()
         try:
-            res = self._sample(logits, plain, masks)
+            res = self._sample(logits, plain, masks, lazy, taken, failed)
             results = list(zip([r for r, _ in plain], res.token_ids, res.logprobs, res.top_logprobs))
         except Exception:
+            for req in taken:  # the batch's picks are void: their grammars step back
+                req.grammar.rollback(1)
+            taken.clear()
             results = []
             for req, first in plain:
+                if req in failed:
+                    continue
                 try:
-                    one = self._sample(logits, [(req, first)], masks)
+                    one = self._sample(logits, [(req, first)], masks, lazy, taken, failed)
                     results.append((req, one.token_ids[0], one.logprobs[0], one.top_logprobs[0]))
                 except Exception as exc:
                     self._fail(req, failed, "sampling", exc)
         picked = []
         for r, t, lp, top in results:
+            if r in failed:
+                continue
             pick = _Picked(r)
-            if self._grammar_takes(r, t, pick):
+            if r in taken or self._grammar_takes(r, t, pick):
                 pick.add(t, lp, top)
             picked.append(pick)
         return picked
 
-    def _sample(self, logits: torch.Tensor, plain: list[tuple[Req, int]], masks: dict[Req, torch.Tensor | None]):
+    def _may_mask_lazily(self, req: Req) -> bool:
+        """True when ``req``'s next token may be picked before its grammar mask (module doc)."""
+        if req.grammar is None or self.args.grammar_mask != "lazy" or not exact_without_mask(req.params):
+            return False
+        if self.faults is not None:
+            self.faults.check(req.rid, "grammar")
+        # Where text is forced, llguidance's mask keeps only its canonical tokens while the grammar
+        # takes other splits of it too (measured: no disagreement elsewhere): the mask decides there.
+        return req.grammar.error() is None and not req.grammar.mask_needed() and not req.grammar.forced_text()
+
+    def _sample(self, logits: torch.Tensor, plain: list[tuple[Req, int]], masks: dict[Req, torch.Tensor | None], lazy: set[Req], taken: set[Req], failed: dict[Req, str]):
         reqs = [r for r, _ in plain]
         if self.faults is not None:
             for r in reqs:
@@ -164,7 +198,25 @@ class Decoder:
         mask = None
         if any(masks[r] is not None for r in reqs):
             mask = torch.stack([masks[r] if masks[r] is not None else torch.ones(self.vocab_size, dtype=torch.bool) for r in reqs]).to(self.device)
-        return sample(rows_logits, [self._sampling_row(r, r.output_ids) for r in reqs], self.generator, mask)
+
+        def recheck(i: int, token: int) -> torch.Tensor | None:
+            """None when the pick of a lazy row stands (its grammar took it), else its mask."""
+            req = reqs[i]
+            if req not in lazy or req in taken or req in failed:
+                return None
+            if token not in self.end_ids and req.grammar.accept(token):  # an end token: the mask decides
+                taken.add(req)
+                self.grammar_lazy_picks += 1
+                return None
+            try:
+                masks[req] = self._grammar_row_mask(req)
+            except Exception as exc:
+                self._fail(req, failed, "computing the grammar mask", exc)
+                return None
+            lazy.discard(req)  # a row-by-row retry uses the mask now computed
+            return masks[req]
+
+        return sample(rows_logits, [self._sampling_row(r, r.output_ids) for r in reqs], self.generator, mask, recheck if lazy else None)
 
     # ------------------------------------------------------------ picking
     def _sampling_row(self, req: Req, output_ids: list[int]) -> SamplingRow:
@@ -180,6 +232,7 @@ class Decoder:
         if self.faults is not None:
             self.faults.check(req.rid, "grammar")
         bitmask = torch.full((1, bitmask_width(self.vocab_size)), -1, dtype=torch.int32)
+        self.grammar_masks += 1
         req.grammar.fill_bitmask(bitmask, 0)
         if req.grammar.error() is not None:  # fail closed: the pick is refused below
             bitmask[0] = 0
@@ -202,17 +255,19 @@ class Decoder:
         accepted = 0
         for i in range(len(drafts) + 1):
             srow = self._sampling_row(req, req.output_ids + pick.tokens)
-            mask = self._grammar_row_mask(req)
-            if mask is not None:
-                mask = mask.to(self.device)
-            if i < len(drafts):
-                extra = {} if req.draft_probs is None else {"draft_probs": req.draft_probs[i]}
-                res = accept_draft(logits[i], srow, drafts[i], self.generator, mask, **extra)
-            else:
-                res = sample(logits[i : i + 1], [srow], self.generator, None if mask is None else mask[None])
+            res = self._greedy_without_mask(req, logits[i], srow)
+            if res is None:  # the mask decides
+                mask = self._grammar_row_mask(req)
+                if mask is not None:
+                    mask = mask.to(self.device)
+                if i < len(drafts):
+                    extra = {} if req.draft_probs is None else {"draft_probs": req.draft_probs[i]}
+                    res = accept_draft(logits[i], srow, drafts[i], self.generator, mask, **extra)
+                else:
+                    res = sample(logits[i : i + 1], [srow], self.generator, None if mask is None else mask[None])
+                if not self._grammar_takes(req, res.token_ids[0], pick):
+                    break
             token = res.token_ids[0]
-            if not self._grammar_takes(req, token, pick):
-                break
             pick.add(token, res.logprobs[0], res.top_logprobs[0])
             if i == len(drafts) or token != drafts[i]:
                 break
@@ -224,6 +279,19 @@ class Decoder:
         self._count_verified(req, len(drafts), accepted)
         req.clear_drafts()
         return pick
+
+    def _greedy_without_mask(self, req: Req, logits: torch.Tensor, srow: SamplingRow):
+        """A greedy constrained row's pick at a draft position, taken by its grammar without a
+        mask (the unmasked argmax, when the grammar takes it, is the masked one); None when the
+        mask must decide (not lazy, not greedy, or the grammar refuses the argmax)."""
+        if not srow.params.greedy or not self._may_mask_lazily(req):
+            return None
+        res = sample(logits[None], [srow], self.generator)
+        token = res.token_ids[0]
+        if token in self.end_ids or not req.grammar.accept(token):
+            return None
+        self.grammar_lazy_picks += 1
+        return res
 
     @staticmethod
     def _count_verified(req: Req, drafted: int, accepted: int) -> None:

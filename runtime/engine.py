@@ -605,6 +605,8 @@ class Engine:
                 "total_retracted": s.total_retracted,
                 "retention_hits": tree.retention_hits,
                 "evictions_despite_hint": tree.evicted_despite_hint,
+                "grammar_masks": s.decoder.grammar_masks,
+                "grammar_lazy_picks": s.decoder.grammar_lazy_picks,
                 **s.speculator.stats(),
                 **(self.pd.stats() if self.pd is not None else {}),
             }

@@ -31,6 +31,8 @@ class ServerMetrics:
         self.spec_verify_passes = Counter("radixlm_spec_verify_passes", "Forward passes that verified a request's speculative drafts.", registry=r)
         self.spec_draft_tokens = Counter("radixlm_spec_draft_tokens", "Speculative draft tokens verified.", registry=r)
         self.spec_accepted_tokens = Counter("radixlm_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r)
+        self.grammar_masks = Counter("radixlm_grammar_masks", "Grammar masks computed for constrained rows.", registry=r)
+        self.grammar_lazy_picks = Counter("radixlm_grammar_lazy_picks", "Constrained picks the grammar took without computing a mask (lazy masking).", registry=r)
         self._seen: dict[str, int] = {}  # engine counters already added to the Counters above
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
@@ -56,7 +58,7 @@ class ServerMetrics:
         self.hit_rate.set(stats["cache_hit_rate"])
         self._advance(self.retention_hits, "retention_hits", stats.get("retention_hits", 0))
         self._advance(self.hint_evictions, "evictions_despite_hint", stats.get("evictions_despite_hint", 0))
-        for name in ("spec_verify_passes", "spec_draft_tokens", "spec_accepted_tokens"):
+        for name in ("spec_verify_passes", "spec_draft_tokens", "spec_accepted_tokens", "grammar_masks", "grammar_lazy_picks"):
             self._advance(getattr(self, name), name, stats.get(name, 0))
         return generate_latest(self.registry)
 

@@ -378,15 +378,15 @@ def _choice(state: ServerState, plan: _Plan, index: int, out: ReqOutput) -> dict
             message["tool_calls"] = calls
         choice = {"index": index, "message": message, "finish_reason": _finish_reason(plan, out, bool(calls))}
         choice["logprobs"] = _chat_logprobs(out) if plan.logprobs is not None else None
-        return _with_cache_info(plan, out, choice)
+        return _with_final_info(plan, out, choice)
     text = out.text
     if plan.echo:
         text = plan.prompt_texts[index // plan.n] + text
     choice = {"index": index, "text": text, "finish_reason": _finish_reason(plan, out, False), "logprobs": _completion_logprobs(plan, out) if plan.logprobs is not None else None}
-    return _with_cache_info(plan, out, choice)
+    return _with_final_info(plan, out, choice)
 
 
-def _with_cache_info(plan: _Plan, out: ReqOutput, choice: dict[str, Any]) -> dict[str, Any]:
+def _with_final_info(plan: _Plan, out: ReqOutput, choice: dict[str, Any]) -> dict[str, Any]:
     """Add to a finished request's choice its cache explanation (when the client asked for it)
     and what its constraint does not enforce (``constraint_warnings``, e.g. an ignored format)."""
     if plan.return_cache_info and out.finished and "cache_info" in out.meta_info:
@@ -482,7 +482,7 @@ async def _stream_events(ticket: Ticket, plan: _Plan, started: list[tuple[int, A
                 pieces = _tool_pieces(plan, idx, out, tools[idx]) if tools else [_stream_piece(state, plan, idx, out, sent, sent_lp)]
                 pieces = [p for p in pieces if p is not None]
                 for i, piece in enumerate(pieces):
-                    yield chunk([_with_cache_info(plan, out, piece) if i == len(pieces) - 1 else piece])
+                    yield chunk([_with_final_info(plan, out, piece) if i == len(pieces) - 1 else piece])
     finally:
         stop.cancel()
         for fut in pending:

@@ -7,7 +7,7 @@ processed logits. Logprobs are those of the model's raw distribution.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,8 +104,16 @@ def sample(
     rows: Sequence[SamplingRow],
     default_generator: torch.Generator | None = None,
     allowed_mask: torch.Tensor | None = None,
+    recheck: Callable[[int, int], torch.Tensor | None] | None = None,
 ) -> SampleResult:
-    """Pick one token per row of ``logits`` ``[B, V]`` (fp32); ``allowed_mask`` is bool ``[B, V]``."""
+    """Pick one token per row of ``logits`` ``[B, V]`` (fp32); ``allowed_mask`` is bool ``[B, V]``.
+
+    ``recheck(i, token)``, for rows picked without their grammar mask (lazy masking): None when
+    row ``i``'s grammar takes ``token``, else the row's allowed mask (bool ``[V]``), under which
+    the row is picked again with the same noise. For greedy rows and rows without top-k, top-p
+    or min-p (``exact_without_mask``) that is the token masked sampling picks: the winner of the
+    race ``p_i / E_i`` over the whole vocabulary, if allowed, wins it over the allowed tokens.
+    """
     raw = logits
     logits = _prepare(logits, rows, allowed_mask)
 
@@ -115,12 +123,32 @@ def sample(
     if greedy:
         idx = torch.tensor(greedy, device=logits.device)
         tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
+    probs = noise = None
     if random:
         idx = torch.tensor(random, device=logits.device)
         sub_rows = [rows[i] for i in random]
-        tokens[idx] = _draw(_sampling_probs(logits.index_select(0, idx), sub_rows), sub_rows, default_generator)
+        probs = _sampling_probs(logits.index_select(0, idx), sub_rows)
+        tokens[idx], noise = _draw(probs, sub_rows, default_generator)
+    if recheck is not None:
+        where = {i: j for j, i in enumerate(random)}
+        for i, token in enumerate(tokens.tolist()):
+            mask = recheck(i, token)
+            if mask is None:
+                continue
+            mask = mask.to(logits.device)
+            if i in where:
+                j = where[i]
+                tokens[i] = (probs[j].masked_fill(~mask, 0.0) / noise[j]).argmax()
+            else:
+                tokens[i] = logits[i].masked_fill(~mask, float("-inf")).argmax()
 
     return _with_logprobs(raw, tokens, rows)
+
+
+def exact_without_mask(params: SamplingParams) -> bool:
+    """True when picking first and masking only a refused pick gives the masked pick exactly:
+    greedy, or temperature alone (top-k, top-p and min-p depend on what the mask leaves)."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
 def _sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -129,8 +157,9 @@ def _sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return _filter_top_k_top_p_min_p(logits / temps[:, None], rows)
 
 
-def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], default_generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row of ``probs`` ``[B, V]``, drawn with the row's generator (else the default)."""
+def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], default_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index per row of ``probs`` ``[B, V]``, drawn with the row's generator (else the
+    default), and the noise the draw used."""
     # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i.
     noise = torch.empty_like(probs)
     shared = [j for j, r in enumerate(rows) if r.generator is None]
@@ -139,7 +168,7 @@ def _draw(probs: torch.Tensor, rows: Sequence[SamplingRow], default_generator: t
     for j, r in enumerate(rows):
         if r.generator is not None:
             noise[j].exponential_(generator=r.generator)
-    return (probs / noise).argmax(dim=-1)
+    return (probs / noise).argmax(dim=-1), noise
 
 
 def sample_draft(
@@ -161,7 +190,7 @@ def sample_draft(
     idx = torch.tensor(random, device=logits.device)
     sub_rows = [rows[i] for i in random]
     sub_probs = _sampling_probs(logits.index_select(0, idx), sub_rows).float()
-    tokens[idx] = _draw(sub_probs, sub_rows, default_generator)
+    tokens[idx] = _draw(sub_probs, sub_rows, default_generator)[0]
     probs[idx] = sub_probs
     return tokens.tolist(), probs
 

@@ -49,6 +49,11 @@ class Matcher(ABC):
         """Why the matcher can no longer be trusted (a backend limit was hit), or None."""
         return None
 
+    def mask_needed(self) -> bool:
+        """True when the next token must come from the mask even where the grammar would take
+        another (the mask narrows the grammar; see budget.py): no lazy masking then."""
+        return False
+
 
 class CompiledGrammar(ABC):
     """A spec compiled against a vocabulary; immutable and shared through the cache."""

@@ -181,6 +181,10 @@ class BudgetMatcher(Matcher):
         if bool(narrowed.any()):
             bitmask[row] = narrowed
 
+    def mask_needed(self) -> bool:
+        """True while the budget is tight: the mask then narrows what the grammar allows."""
+        return self.shape.tight(self.budget - len(self._accepted)) is not None or self.inner.mask_needed()
+
     def is_terminated(self) -> bool:
         """As the wrapped matcher."""
         return self.inner.is_terminated()
