@@ -188,5 +188,6 @@ class KVManager:
         self.tree.check_integrity()
         free_pages = self.allocator.free_page_ids()
         held = [self.table.read(s.row, s.cached_len, s.alloc_len) for s in states]
-        everything = torch.cat([self.allocator.page_slots(free_pages), self.tree.all_slots(), *held])
+        parts = [self.allocator.page_slots(free_pages), self.tree.all_slots(), *held]
+        everything = torch.cat([p.cpu() for p in parts])  # slots may live on the GPU, the empty ones on the CPU
         assert len(torch.unique(everything)) == total, "a KV slot is counted twice"

@@ -237,7 +237,7 @@ def accept_draft(
         else:
             probs[draft] = 0.0
             token = _draw_one(probs, gen)
-    return _with_logprobs(raw, torch.tensor([token]), [row])
+    return _with_logprobs(raw, torch.tensor([token], device=raw.device), [row])
 
 
 def _draw_one(weights: torch.Tensor, gen: torch.Generator | None) -> int:

@@ -41,7 +41,7 @@ class ServerArgs:
     schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first) or fcfs.", choices=["lpm", "fcfs"])
     disable_radix_cache: bool = _opt(False, "Do not share KV between requests (for ablations).")
     disable_cache_explain: bool = _opt(False, "Do not record who computed each cached prefix nor explain cache hits (for measuring its cost).")
-    quantization: str | None = _opt(None, "Weight-only quantization on CPU: int8, int4 (group 32, like GGUF Q4_1), or int4_bf16 (int4 for small batches, a bf16 copy for large ones); default: none.", choices=[None, "int8", "int4", "int4_bf16"])
+    quantization: str | None = _opt(None, "Weight-only quantization on CPU: int8, int4 (group 32, like GGUF Q4_1), int4_bf16 (int4 for small batches, a bf16 copy for large ones where this CPU measures bf16 faster), or auto (per batch size, the fastest of fp32, bf16, int8 and int4 as a start-up micro-benchmark measures, cached per machine); default: none (fp32).", choices=[None, "int8", "int4", "int4_bf16", "auto"])
     attention_backend: str = _opt("auto", "auto, torch or triton.", choices=["auto", "torch", "triton"])
     num_threads: int | None = _opt(None, "Torch intra-op threads on CPU (per tensor-parallel rank); default: one per CPU, divided among the ranks.")
     tp_size: int = _opt(1, "Tensor parallelism: split the model over this many processes (ranks), each with its share of the heads, MLP and vocabulary and of the KV pool; gloo on CPU, NCCL on CUDA (one GPU per rank). See README.")

@@ -38,14 +38,14 @@ def test_int4_recovers_q4_1_blocks_exactly():
 def test_int4_bf16_switches_to_the_bf16_copy_for_many_rows():
     torch.manual_seed(2)
     lin = nn.Linear(64, 48, bias=False)
-    layer = Int4Linear(lin, keep_bf16=True)
+    layer = Int4Linear(lin, dense_from=16)
     few, many = torch.randn(2, 64), torch.randn(64, 64)
     assert torch.equal(layer(few), Int4Linear(lin)(few))  # the int4 path
     torch.testing.assert_close(layer(many), lin(many), atol=0.05, rtol=0.02)  # bf16 math, not int4
     assert (layer(many) - Int4Linear(lin)(many)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "int4_bf16"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4_bf16", "auto"])
 def test_quantized_engine_generates(tiny_llama, mode):
     import radixlm
 
