@@ -197,7 +197,7 @@ class Decoder:
         rows_logits = logits.index_select(0, torch.tensor([f for _, f in plain], device=logits.device))
         mask = None
         if any(masks[r] is not None for r in reqs):
-            mask = torch.stack([masks[r] if masks[r] is not None else torch.ones(self.vocab_size, dtype=torch.bool) for r in reqs]).to(self.device)
+            mask = self._unpack([masks[r] for r in reqs])
 
         def recheck(i: int, token: int) -> torch.Tensor | None:
             """None when the pick of a lazy row stands (its grammar took it), else its mask."""
@@ -214,7 +214,7 @@ class Decoder:
                 self._fail(req, failed, "computing the grammar mask", exc)
                 return None
             lazy.discard(req)  # a row-by-row retry uses the mask now computed
-            return masks[req]
+            return self._unpack([masks[req]])[0]
 
         return sample(rows_logits, [self._sampling_row(r, r.output_ids) for r in reqs], self.generator, mask, recheck if lazy else None)
 
@@ -225,8 +225,16 @@ class Decoder:
             banned = sorted((set() if req.params.ignore_eos else self.end_ids) | set(req.params.stop_token_ids))
         return SamplingRow(req.params, req.input_ids, output_ids, req.generator, banned, req.return_logprob, req.top_logprobs_num)
 
+    def _unpack(self, rows: list[torch.Tensor | None]) -> torch.Tensor:
+        """Bitmask rows (None: unconstrained) as one bool mask ``[B, V]`` on the logits' device:
+        the packed words travel (a 32nd of the bools) and are unpacked there."""
+        full = torch.full((bitmask_width(self.vocab_size),), -1, dtype=torch.int32)
+        packed = torch.stack([full if r is None else r for r in rows]).to(self.device)
+        return unpack_bitmask(packed, self.vocab_size)
+
     def _grammar_row_mask(self, req: Req) -> torch.Tensor | None:
-        """Allowed tokens of one request (bool ``[V]``, on the CPU); None when unconstrained."""
+        """Allowed tokens of one request as an int32 bitmask row ``[W]`` (on the CPU, where the
+        backends write it); None when unconstrained."""
         if req.grammar is None:
             return None
         if self.faults is not None:
@@ -236,7 +244,7 @@ class Decoder:
         req.grammar.fill_bitmask(bitmask, 0)
         if req.grammar.error() is not None:  # fail closed: the pick is refused below
             bitmask[0] = 0
-        return unpack_bitmask(bitmask, self.vocab_size)[0]
+        return bitmask[0]
 
     def _grammar_takes(self, req: Req, token: int, pick: _Picked) -> bool:
         """Feed a picked token to the request's grammar; on refusal record why (fail closed)."""
@@ -257,9 +265,8 @@ class Decoder:
             srow = self._sampling_row(req, req.output_ids + pick.tokens)
             res = self._greedy_without_mask(req, logits[i], srow)
             if res is None:  # the mask decides
-                mask = self._grammar_row_mask(req)
-                if mask is not None:
-                    mask = mask.to(self.device)
+                row = self._grammar_row_mask(req)
+                mask = None if row is None else self._unpack([row])[0]
                 if i < len(drafts):
                     extra = {} if req.draft_probs is None else {"draft_probs": req.draft_probs[i]}
                     res = accept_draft(logits[i], srow, drafts[i], self.generator, mask, **extra)
