@@ -9,7 +9,10 @@ Each decode row has one query token. Its sequence (``seq_lens[b]`` tokens, whose
     stage 2, grid (B, H):       o[b, h] = sum_s exp(lse_s - max lse) o_s / sum_s exp(lse_s - max lse)
 
 Splitting keeps the GPU busy when the batch is small and sequences are long; with one split
-stage 2 is a plain copy. Scores are kept in the base-2 domain (``exp2``) with ``log2(e)`` folded
+stage 2 is a plain copy. ``num_splits`` is a runtime argument of both kernels, not a compile-time
+constant: a step with another split count reuses the compiled kernels, and a captured CUDA graph
+stays correct for any sequence lengths with the split count it was captured with (each program
+derives its chunk from its row's length). Scores are kept in the base-2 domain (``exp2``) with ``log2(e)`` folded
 into the scale; everything is accumulated in fp32 and the output is cast to ``q``'s dtype.
 
 An 8-bit pool (int8, float8) is read as stored, one ``[BLOCK_N, D]`` block at a time, and
@@ -27,6 +30,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+REDUCE_BLOCK_S = 16  # stage 2 reads this many split slots (masked): one compiled variant for 1-16 splits
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -45,8 +49,8 @@ def _decode_split_kernel(
     stride_rt,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
-    qk_scale,
-    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    qk_scale, num_splits,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
@@ -56,7 +60,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens + b)
     row = tl.load(req_rows + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -108,7 +112,7 @@ def _decode_split_kernel(
     tl.store(mid_lse + b * stride_lb + heads * stride_lh + s, lse, mask=mask_h)
 
 
-# Stage 2. Grid (B, H): program (b, h) loads the NUM_SPLITS partial outputs and log-sum-exps of
+# Stage 2. Grid (B, H): program (b, h) loads the num_splits partial outputs and log-sum-exps of
 # query head h of row b, weights each chunk by exp2(lse_s - max_s lse_s) and writes the
 # normalized sum to out[b, h] in the output's dtype.
 @triton.jit
@@ -116,15 +120,15 @@ def _decode_reduce_kernel(
     mid_o, mid_lse, out,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
 
     lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
@@ -241,8 +245,8 @@ def decode_attention(
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        _LOG2E / math.sqrt(head_dim),
-        HEAD_DIM=head_dim, GROUP=group, NUM_SPLITS=num_splits,
+        _LOG2E / math.sqrt(head_dim), num_splits,
+        HEAD_DIM=head_dim, GROUP=group,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=decode_block_n(head_dim, k_pool.dtype, compute),
         DOT_PRECISION=dot_precision(compute), UPCAST=compute != k_pool.dtype, HAS_SCALES=has_scales,
         num_warps=4 if block_d <= 128 else 8, num_stages=2,
@@ -251,9 +255,9 @@ def decode_attention(
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
         num_warps=2 if block_d <= 128 else 4,
     )
     return out

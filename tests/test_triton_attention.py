@@ -5,6 +5,7 @@ fp32, or bf16/int8/fp8 read by fp32 dots. Every kernel launch costs a fraction o
 so each test launches only a few.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -82,6 +83,28 @@ def test_split_kv_decode_matches_reference_for_ragged_lengths_and_gqa(group: int
     for b, length in enumerate(seq_lens):
         want = reference_attention(q[b : b + 1], pool.k[0], pool.v[0], table[rows[b], :length], length - 1)
         torch.testing.assert_close(out[b : b + 1], want, **TOL)
+
+
+def test_the_split_count_is_a_runtime_argument_so_any_count_reuses_the_kernels() -> None:
+    """No recompilation per split count (and a CUDA graph captured with one count stays right for
+    any lengths): the counts 1, 2 and 5 give the reference result through the same kernels."""
+    from radixlm.kernels.triton_decode import _decode_reduce_kernel, _decode_split_kernel
+
+    for kernel in (_decode_split_kernel, _decode_reduce_kernel):
+        params = inspect.signature(kernel.fn).parameters  # the Python function, JIT or interpreted
+        assert "num_splits" in params and "constexpr" not in str(params["num_splits"].annotation)
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [3, 33]
+    pool = _random_pool(NUM_HEADS, gen)
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    for splits in (1, 2, 5):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, pool.k[0], pool.v[0], table, rows, lens, out, num_splits=splits)
+        for b, length in enumerate(seq_lens):
+            want = reference_attention(q[b : b + 1], pool.k[0], pool.v[0], table[rows[b], :length], length - 1)
+            torch.testing.assert_close(out[b : b + 1], want, **TOL)
 
 
 @pytest.mark.parametrize("group", [1, 2])
