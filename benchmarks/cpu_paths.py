@@ -37,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from radixlm.runtime.loader import default_model_path
+    from radixlm.runtime.loader import default_model_path, load_model
     from radixlm.runtime.models import cpu_paths
-    from radixlm.runtime.loader import load_model
 
     model, _ = load_model(default_model_path(), torch.float32, torch.device("cpu"))
     shapes = cpu_paths.linear_shapes(model)

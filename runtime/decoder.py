@@ -40,7 +40,13 @@ from radixlm.runtime.constrained.jump_forward import draft_tokens
 from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req
-from radixlm.runtime.sampler import SamplingRow, accept_draft, exact_without_mask, prompt_logprobs, sample
+from radixlm.runtime.sampler import (
+    SamplingRow,
+    accept_draft,
+    exact_without_mask,
+    prompt_logprobs,
+    sample,
+)
 from radixlm.runtime.schedule_batch import LogitSpans
 from radixlm.runtime.server_args import ServerArgs
 

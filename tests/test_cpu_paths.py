@@ -10,7 +10,13 @@ import torch
 from torch import nn
 
 from radixlm.runtime.models import cpu_paths
-from radixlm.runtime.models.cpu_paths import AutoLinear, PathPlan, choose, linear_shapes, load_or_measure
+from radixlm.runtime.models.cpu_paths import (
+    AutoLinear,
+    PathPlan,
+    choose,
+    linear_shapes,
+    load_or_measure,
+)
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear, quantize_model
 
 # Timings in the shape of the measurements (ms for one pass's linears, 2 threads):

@@ -28,7 +28,7 @@ def test_picking_first_and_masking_a_refused_pick_is_the_masked_pick(temperature
         eager = sample(logits, _rows(params, trial), None, allowed).token_ids
         rechecked: list[int] = []
 
-        def recheck(i: int, token: int):
+        def recheck(i: int, token: int, allowed=allowed, rechecked=rechecked):
             if bool(allowed[i, token]):
                 return None
             rechecked.append(i)
