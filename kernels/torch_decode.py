@@ -15,6 +15,7 @@ log-sum-exp::
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from radixlm.kernels.kv_quant import PoolLayer
 from radixlm.radix_cache.pool import PAD_SLOT
 
 MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
+MIN_SPLIT_TOKENS = 128  # C++ decode: a row is cut into chunks of at least this many positions
 
 
 @dataclass
@@ -62,12 +64,25 @@ class DecodePlan:
         positions = (self.prefix_len[:, None] + offsets[None, :]).clamp(max=self.row_table.shape[1] - 1)
         return self.row_table.gather(1, positions).masked_fill(~valid, PAD_SLOT)
 
+    @functools.cached_property
+    def longest_suffix(self) -> int:
+        """The most positions a row has after its shared prefix."""
+        return int(self.suffix_len.max()) if self.suffix_len.numel() else 0
+
     def suffix_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The suffix mask as an additive bias (0 / -inf) in ``dtype``, built once per step."""
         if dtype not in self._bias:
             zeros = torch.zeros(self.suffix_mask.shape, dtype=dtype, device=self.suffix_mask.device)
             self._bias[dtype] = zeros.masked_fill(~self.suffix_mask, float("-inf"))
         return self._bias[dtype]
+
+
+def cpu_decode_splits(tasks: int, longest: int, threads: int, min_tokens: int = MIN_SPLIT_TOKENS) -> int:
+    """Chunks per row for the C++ decode: enough (row, KV head, chunk) tasks to keep ``threads``
+    busy (4 a thread, so uneven ones even out), none of fewer than ``min_tokens`` positions."""
+    if threads <= 1 or tasks >= 4 * threads:
+        return 1
+    return max(1, min(math.ceil(4 * threads / max(tasks, 1)), longest // min_tokens))
 
 
 def plan_decode(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], min_shared: int | None = None) -> DecodePlan:
@@ -162,8 +177,9 @@ def decode_attention(
             init_lse = torch.full((bd, num_kv, group, 1), float("-inf"), device=q.device)
             for rows, o2, lse2 in parts:
                 init_out[rows], init_lse[rows] = o2.float(), lse2
+        splits = cpu_decode_splits(bd * num_kv, plan.longest_suffix, torch.get_num_threads())
         out, _ = ext.paged_decode(
-            q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale, init_out, init_lse, k_scale, v_scale
+            q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale, init_out, init_lse, k_scale, v_scale, splits
         )
         return out.to(q.dtype)
     # PyTorch: gather each row's own positions (converted per gather), then merge with the prefix parts by their lse

@@ -78,9 +78,10 @@ def test_extend_rows_with_and_without_prefix_match_the_reference():
     torch.testing.assert_close(out[4:], ref_b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 8], ids=lambda s: f"{s}-chunks")  # rows of 1-71 positions: some chunks empty
 @pytest.mark.parametrize("q_scale", [1.0, 60.0], ids=["plain", "peaked"])  # peaked: score gaps far below exp's range
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale):
+def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale, splits):
     from radixlm.kernels.cpu_ext import cpu_kernels
 
     ext = cpu_kernels()
@@ -94,7 +95,7 @@ def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale):
     starts = torch.tensor([0, 5, 0, 33])  # part of each row, as after a shared prefix
     lens = torch.tensor([len(rows[i]) for i in order.tolist()]) - starts
     q = (torch.randn(4, H, D) * q_scale).to(dtype)
-    out, lse = ext.paged_decode(q, k, v, table, order, starts, lens, D**-0.5)
+    out, lse = ext.paged_decode(q, k, v, table, order, starts, lens, D**-0.5, splits=splits)
     assert out.dtype == torch.float32 and lse.shape == (4, H)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, r in enumerate(order.tolist()):
@@ -105,8 +106,24 @@ def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale):
             [torch.logsumexp(k[slots, h // (H // HKV)].float() @ q[i, h].float() * D**-0.5, 0) for h in range(H)]
         )
         torch.testing.assert_close(lse[i], ref_lse, atol=tol, rtol=tol)
-    empty_out, empty_lse = ext.paged_decode(q[:1], k, v, table, order[:1], torch.tensor([1]), torch.tensor([0]), 1.0)
+    empty_out, empty_lse = ext.paged_decode(q[:1], k, v, table, order[:1], torch.tensor([1]), torch.tensor([0]), 1.0, splits=splits)
     assert torch.all(empty_out == 0) and torch.all(torch.isinf(empty_lse))
+    # continuing an earlier part (a shared prefix's output and lse) gives the same when split
+    init_out, init_lse = ext.paged_decode(q, k, v, table, order, torch.zeros(4, dtype=torch.int64), starts, D**-0.5)
+    cont = ext.paged_decode(q, k, v, table, order, starts, lens, D**-0.5, init_out.view(4, H, D), init_lse, splits=splits)
+    whole = ext.paged_decode(q, k, v, table, order, torch.zeros(4, dtype=torch.int64), starts + lens, D**-0.5)
+    for got, want in zip(cont, whole):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_cpu_decode_splits_fill_the_threads_without_short_chunks():
+    from radixlm.kernels.torch_decode import cpu_decode_splits
+
+    assert cpu_decode_splits(tasks=3, longest=450, threads=2) == 3, "batch 1 x 3 KV heads on 2 threads"
+    assert cpu_decode_splits(tasks=3, longest=100, threads=2) == 1, "chunks would be under 128 positions"
+    assert cpu_decode_splits(tasks=24, longest=4000, threads=2) == 1, "enough tasks already"
+    assert cpu_decode_splits(tasks=3, longest=4000, threads=1) == 1
+    assert cpu_decode_splits(tasks=1, longest=4000, threads=16) == 31, "64 wanted, 31 chunks of 128 positions at most"
 
 
 @pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp", "torch-fallback"])

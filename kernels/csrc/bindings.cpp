@@ -6,7 +6,7 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
                                         torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
                                         torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
                                         c10::optional<torch::Tensor> init_lse, c10::optional<torch::Tensor> k_scale,
-                                        c10::optional<torch::Tensor> v_scale);
+                                        c10::optional<torch::Tensor> v_scale, int64_t splits);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -16,7 +16,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot ranges", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("table"), py::arg("rows"), py::arg("starts"), py::arg("lens"), py::arg("scale"),
-        py::arg("init_out") = py::none(), py::arg("init_lse") = py::none(), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("init_out") = py::none(), py::arg("init_lse") = py::none(), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("splits") = 1);
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x (+ residual); returns (sum, normed)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("quantize_into", &quantize_into, "Quantize [T, Hkv, D] into an 8-bit pool at slots, with fp16 scales",

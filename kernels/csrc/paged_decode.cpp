@@ -1,10 +1,12 @@
 // Paged decode attention for CPUs: each query row attends to a range of its slot-table row,
 // reading keys and values straight from the KV pool (no gather into a temporary copy).
 //
-// Grid: one task per (row, KV head), spread over the intra-op threads. A task loads the row's G
-// query heads of that KV head, walks the slots in blocks of BLOCK keys (scores for the block,
-// then one online-softmax rescale per block), and writes the normalized output and the
-// log-sum-exp, which the caller uses to merge with a shared-prefix part (cascade attention).
+// Grid: one task per (row, KV head, chunk), spread over the intra-op threads. A row's range is
+// cut into `splits` chunks (whole blocks) so that a small batch still keeps every thread busy; a
+// task loads the row's G query heads of that KV head, walks its chunk's slots in blocks of BLOCK
+// keys (scores for the block, then one online-softmax rescale per block), and writes the
+// normalized output and log-sum-exp of the chunk; the chunks are then merged by their lse. The
+// result's lse lets the caller merge with a shared-prefix part too (cascade attention).
 //
 // The pool may hold fp32, bf16, fp16, int8 or fp8 (e4m3fn / e5m2) values; 8-bit pools come with
 // one fp16 scale per (slot, KV head) for K and for V. Values are converted to fp32 as they are
@@ -86,13 +88,18 @@ template <typename T>
 void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Half* k_scale, const c10::Half* v_scale,
                  const int64_t* table, const int64_t* table_rows, const int64_t* starts, const int64_t* lens,
                  const float* init_out, const float* init_lse, float* out, float* lse, int64_t rows, int64_t heads,
-                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale) {
+                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale, int64_t splits,
+                 float* part_out, float* part_lse) {
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Chunk s of every row writes to part_out/part_lse [rows, splits, heads(, dim)], merged below;
+  // with one chunk the task writes the result itself.
+  float* o_base = splits == 1 ? out : part_out;
+  float* l_base = splits == 1 ? lse : part_lse;
+  at::parallel_for(0, rows * kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group), rowf(dim);  // rowf: one key or value row in fp32
     std::vector<float> kt(dim * BLOCK, 0.0f);  // lanes past a short last block stay finite
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads;
+      const int64_t r = task / (kv_heads * splits), h = (task / splits) % kv_heads, c = task % splits;
       for (int64_t g = 0; g < group; ++g) {
         const float* src = q + (r * heads + h * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = src[d] * scale;
@@ -100,7 +107,7 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
-      if (init_out != nullptr) {  // continue from an earlier part (a shared prefix): its output and lse
+      if (init_out != nullptr && c == 0) {  // continue from an earlier part (a shared prefix): its output and lse
         for (int64_t g = 0; g < group; ++g) {
           const int64_t head = r * heads + h * group + g;
           if (std::isinf(init_lse[head])) continue;  // no earlier part for this row
@@ -109,8 +116,10 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
           std::copy(init_out + head * dim, init_out + (head + 1) * dim, acc.begin() + g * dim);
         }
       }
-      const int64_t* slots = table + table_rows[r] * table_stride + starts[r];
-      const int64_t n = lens[r];
+      const int64_t chunk = (lens[r] + splits * BLOCK - 1) / (splits * BLOCK) * BLOCK;  // whole blocks
+      const int64_t first = std::min<int64_t>(c * chunk, lens[r]);
+      const int64_t* slots = table + table_rows[r] * table_stride + starts[r] + first;
+      const int64_t n = std::min<int64_t>(chunk, lens[r] - first);
       prefetch_rows(k_pool, v_pool, slots, 0, std::min<int64_t>(n, BLOCK), kv_heads, h, dim);
       for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, n - j0);
@@ -166,17 +175,43 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        float* dst = out + (r * heads + head) * dim;
+        const int64_t head = h * group + g, at = (r * splits + c) * heads + head;
+        float* dst = o_base + at * dim;
         if (l[g] == 0.0f) {  // nothing to attend to: an empty part, which a merge weighs as zero
           std::fill(dst, dst + dim, 0.0f);
-          lse[r * heads + head] = -std::numeric_limits<float>::infinity();
+          l_base[at] = -std::numeric_limits<float>::infinity();
           continue;
         }
         const float inv = 1.0f / l[g];
         for (int64_t d = 0; d < dim; ++d) dst[d] = acc[g * dim + d] * inv;
-        lse[r * heads + head] = m[g] + std::log(l[g]);
+        l_base[at] = m[g] + std::log(l[g]);
       }
+    }
+  });
+  if (splits == 1) return;
+  at::parallel_for(0, rows * heads, 16, [&](int64_t begin, int64_t end) {  // merge the chunks by their lse
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t r = rh / heads, head = rh % heads;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < splits; ++c) top = std::max(top, part_lse[(r * splits + c) * heads + head]);
+      float* dst = out + rh * dim;
+      std::fill(dst, dst + dim, 0.0f);
+      if (std::isinf(top)) {  // every chunk empty
+        lse[rh] = top;
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t c = 0; c < splits; ++c) {
+        const int64_t at = (r * splits + c) * heads + head;
+        const float w = std::exp(part_lse[at] - top);  // 0 for an empty chunk
+        if (w == 0.0f) continue;
+        total += w;
+        const float* src = part_out + at * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+      lse[rh] = top + std::log(total);
     }
   });
 }
@@ -194,7 +229,8 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
                                         torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
                                         torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
                                         c10::optional<torch::Tensor> init_lse, c10::optional<torch::Tensor> k_scale,
-                                        c10::optional<torch::Tensor> v_scale) {
+                                        c10::optional<torch::Tensor> v_scale, int64_t splits) {
+  TORCH_CHECK(splits >= 1, "splits must be >= 1");
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q must be [B, H, D] and the pool [N, Hkv, D]");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "the K and V pools must share a dtype");
@@ -225,6 +261,11 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
   }
   auto out = torch::empty({b, heads, dim}, qc.options().dtype(torch::kFloat));
   auto lse = torch::empty({b, heads}, qc.options().dtype(torch::kFloat));
+  torch::Tensor part_out, part_lse;  // the chunks' partial results, when a row is split
+  if (splits > 1) {
+    part_out = torch::empty({b, splits, heads, dim}, qc.options().dtype(torch::kFloat));
+    part_lse = torch::empty({b, splits, heads}, qc.options().dtype(torch::kFloat));
+  }
   const c10::Half* ks = eight_bit ? k_scale->data_ptr<c10::Half>() : nullptr;
   const c10::Half* vs = eight_bit ? v_scale->data_ptr<c10::Half>() : nullptr;
   auto run = [&](auto tag) {
@@ -233,7 +274,8 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
                    rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(),
                    io.defined() ? io.data_ptr<float>() : nullptr, il.defined() ? il.data_ptr<float>() : nullptr,
                    out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads, dim, table.size(1),
-                   static_cast<float>(scale));
+                   static_cast<float>(scale), splits, part_out.defined() ? part_out.data_ptr<float>() : nullptr,
+                   part_lse.defined() ? part_lse.data_ptr<float>() : nullptr);
   };
   switch (kv_type) {
     case at::kFloat: run(float{}); break;
