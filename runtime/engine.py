@@ -380,8 +380,9 @@ class Engine:
         """The awaitable form of ``attach_grammar``."""
         if req.params.constraint is not None:
             compiled = await self.grammars.compile_async(*req.params.constraint)
-            matcher = await asyncio.to_thread(compiled.matcher)  # its first mask is CPU work
-            req.grammar, req.constraint_warnings = self._within_budget(req, matcher), compiled.warnings
+            # its first mask is CPU work, and so is the budget closer's vocabulary the first time
+            req.grammar = await asyncio.to_thread(lambda: self._within_budget(req, compiled.matcher()))
+            req.constraint_warnings = compiled.warnings
 
     def _within_budget(self, req: Req, matcher: Matcher) -> Matcher:
         """``matcher``, wrapped to close its JSON in time when the request asks (close_json_within_budget)."""

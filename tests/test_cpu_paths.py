@@ -106,6 +106,22 @@ def test_measure_times_every_form_at_every_row_count():
     assert odd["int4"][1] == float("inf") and odd["fp32"][1] < 1, "int4 needs in_features divisible by 32: never chosen"
 
 
+def test_a_form_that_cannot_run_here_is_left_out(monkeypatch):
+    real = cpu_paths._form_layer
+
+    def broken(form, weight):
+        if form == "int8":
+            raise RuntimeError("no int8 kernel in this build")
+        return real(form, weight)
+
+    monkeypatch.setattr(cpu_paths, "_form_layer", broken)
+    timings = cpu_paths.measure({(48, 64): 1}, rows=(1, 4), repeats=1)
+    assert timings["int8"] == {1: float("inf"), 4: float("inf")}
+    assert "int8" not in choose(timings).used
+    with pytest.raises(ValueError, match="no timings"):
+        choose({"int8": timings["int8"]})
+
+
 def test_auto_linear_runs_each_row_count_in_its_form():
     torch.manual_seed(0)
     lin = nn.Linear(64, 48)

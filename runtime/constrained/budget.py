@@ -49,12 +49,10 @@ class CloseVocab:
 
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
-        width = bitmask_width(len(texts)) * 32
-        string, level = torch.zeros(width, dtype=torch.bool), torch.zeros(width, dtype=torch.bool)
-        for tid, text in enumerate(texts):
-            string[tid] = text.startswith('"') and (len(text) == 1 or _closes_levels(text[1:]))
-            level[tid] = _closes_levels(text)
-        self.closing = {"string": _pack(string), "level": _pack(level)}
+        pad = [False] * (bitmask_width(len(texts)) * 32 - len(texts))
+        string = [t.startswith('"') and (len(t) == 1 or _closes_levels(t[1:])) for t in texts] + pad
+        level = [_closes_levels(t) for t in texts] + pad
+        self.closing = {"string": _pack(torch.tensor(string)), "level": _pack(torch.tensor(level))}
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer, vocab_size: int) -> CloseVocab:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import platform
 import statistics
 import time
@@ -80,7 +81,7 @@ def choose(timings: Timings, forms: tuple[str, ...] = FORMS, margin: float = MAR
     """The fastest of ``forms`` per measured bucket, except that a bucket keeps the form of the
     bucket below it while that is within ``margin`` of the fastest (fewer forms: fewer weight
     copies, and no switch on a difference the noise could make). Ties go to the earlier form."""
-    forms = tuple(f for f in forms if f in timings)
+    forms = tuple(f for f in forms if f in timings and any(math.isfinite(t) for t in timings[f].values()))
     if not forms:
         raise ValueError("no timings for any candidate form")
     buckets = tuple(sorted(set.intersection(*(set(timings[f]) for f in forms))))
@@ -144,19 +145,23 @@ def measure(shapes: Shapes, forms: tuple[str, ...] = FORMS, rows: tuple[int, ...
                 if form == "int4" and k % 32:
                     out[form] = {r: float("inf") for r in rows}
                     continue
-                layers = [_form_layer(form, w) for w in weights]
-                for r in rows:
-                    x = torch.randn(r, k, generator=gen)
-                    for layer in layers:  # warm up
-                        layer(x)
-                    samples = []
-                    for _ in range(repeats):
-                        t = time.perf_counter()
-                        for layer in layers:
+                try:
+                    layers = [_form_layer(form, w) for w in weights]
+                    for r in rows:
+                        x = torch.randn(r, k, generator=gen)
+                        for layer in layers:  # warm up
                             layer(x)
-                        samples.append((time.perf_counter() - t) / copies)
-                    out[form][r] += statistics.median(samples) * count
-                del layers
+                        samples = []
+                        for _ in range(repeats):
+                            t = time.perf_counter()
+                            for layer in layers:
+                                layer(x)
+                            samples.append((time.perf_counter() - t) / copies)
+                        out[form][r] += statistics.median(samples) * count
+                except Exception as exc:  # a form this torch build or CPU cannot run is never chosen
+                    logger.warning("CPU matmul form %s cannot run here (%s: %s); it is left out", form, type(exc).__name__, exc)
+                    out[form] = {r: float("inf") for r in rows}
+                layers = None
     return out
 
 
