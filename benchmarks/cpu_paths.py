@@ -14,6 +14,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write  # noqa: E402
+
 PROMPTS = ["The history of the printing press", "A recipe for bread", "How rivers form", "The rules of chess", "Why the sky is blue", "A letter to a friend", "The life of bees", "How engines work"]
 
 
@@ -85,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|---:|",
         *speeds,
     ]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report import write  # noqa: E402
 from workloads import few_shot_prefix  # noqa: E402
 
 
@@ -60,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---:|",
         *[f"| {mode} | {' / '.join(f'{x:.1f}' for x in xs)} | {statistics.median(xs):.1f} |" for mode, xs in speeds.items()],
     ]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write("\n".join(lines) + "\n", args.out)
     return 0
 
 

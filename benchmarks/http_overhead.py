@@ -24,6 +24,7 @@ import openai
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from report import write  # noqa: E402
 from workloads import SYSTEM_PROMPT, chat_questions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| HTTP chat, streamed (SSE), raw lines (httpx) | {raw:.1f} | {raw / local:.2f} |",
         f"| HTTP chat, not streamed | {whole:.1f} | {whole / local:.2f} |",
     ]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -20,6 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report import write  # noqa: E402
+
 BENCH = Path(__file__).resolve().parents[2] / "shared" / "jsonschemabench"
 
 
@@ -142,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *[f"Identical outputs at temperature {t}: {n}/{total}." for t, n, total in same],
     ]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write("\n".join(lines) + "\n", args.out)
     return 0
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from radixlm.runtime.constrained.base import Matcher, bitmask_width, unpack_bitmask
+from radixlm.runtime.constrained.base import Matcher, bitmask_width, pack_bitmask, unpack_bitmask
 from radixlm.runtime.constrained.budget import BudgetMatcher, CloseVocab, JsonShape
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -35,7 +35,7 @@ class _Free(Matcher):
         if self.allowed is not None:
             bits = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
             bits[sorted(self.allowed)] = True
-            bitmask[row] = _pack(bits)
+            bitmask[row] = pack_bitmask(bits)
 
     def is_terminated(self) -> bool:
         return False
@@ -50,11 +50,6 @@ class _Free(Matcher):
         twin = _Free(self.allowed)
         twin.taken = list(self.taken)
         return twin
-
-
-def _pack(bits: torch.Tensor) -> torch.Tensor:
-    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64)
-    return (bits.view(-1, 32).to(torch.int64) * weights).sum(1).to(torch.int32)
 
 
 def _allowed(m: Matcher) -> set[int]:

@@ -87,6 +87,12 @@ def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """Turn a bool mask ``[..., W * 32]`` into int32 bitmask words ``[..., W]`` (``unpack_bitmask``'s inverse)."""
+    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64, device=allowed.device)
+    return (allowed.view(*allowed.shape[:-1], -1, 32).to(torch.int64) * weights).sum(-1).to(torch.int32)
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Turn an int32 bitmask ``[B, W]`` into a bool mask ``[B, vocab_size]``."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)

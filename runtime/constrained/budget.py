@@ -25,17 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixlm.runtime.constrained.base import Matcher, bitmask_width
+from radixlm.runtime.constrained.base import Matcher, bitmask_width, pack_bitmask
 from radixlm.runtime.constrained.vocab import token_bytes
 
 _WS = " \t\n\r"
 _UTF8_TAIL = 3  # tokens a character begun in a string may still need before a quote can follow
-
-
-def _pack(bits: torch.Tensor) -> torch.Tensor:
-    """Bool ``[W * 32]`` to the int32 bitmask words of base.py."""
-    weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64)
-    return (bits.view(-1, 32).to(torch.int64) * weights).sum(1).to(torch.int32)
 
 
 def _closes_levels(text: str) -> bool:
@@ -52,7 +46,7 @@ class CloseVocab:
         pad = [False] * (bitmask_width(len(texts)) * 32 - len(texts))
         string = [t.startswith('"') and (len(t) == 1 or _closes_levels(t[1:])) for t in texts] + pad
         level = [_closes_levels(t) for t in texts] + pad
-        self.closing = {"string": _pack(torch.tensor(string)), "level": _pack(torch.tensor(level))}
+        self.closing = {"string": pack_bitmask(torch.tensor(string)), "level": pack_bitmask(torch.tensor(level))}
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer, vocab_size: int) -> CloseVocab:
