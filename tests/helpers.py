@@ -371,6 +371,7 @@ class FakeWorker:
         self.name = name
         self.requests: list[tuple[str, dict]] = []
         self.disconnects: list[str] = []  # paths whose client went away before the answer ended
+        self.answered: list[str] = []  # paths of the unstreamed answers it sent (errors too)
         self.status, self.health_status, self.chunks, self.delay, self.answer_after = 200, 200, 3, 0.0, 0.0
         self.break_after: int | None = None
         self.hang = False
@@ -403,10 +404,12 @@ class FakeWorker:
             await asyncio.sleep(setting(body, "answer_after"))
             status = setting(body, "status")
             if status != 200:
+                self.answered.append(path)
                 return JSONResponse({"object": "error", "message": f"{self.name} says {status}", "type": "X", "param": None, "code": status}, status_code=status)
             if not body.get("stream"):
                 if setting(body, "hang") and await hang_until_released(request, path):
                     return PlainTextResponse("", status_code=499)
+                self.answered.append(path)
                 return {"text": f"from {self.name}", "worker": self.name, "bootstrap_room": body.get("bootstrap_room")}
 
             async def events():

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -442,6 +443,20 @@ def test_pd_client_disconnect_cancels_both(fakes):
             c.post("/generate", json={"text": "hi"}, timeout=0.5)
         wait_until(lambda: prefill.disconnects == ["/generate"] and decode.disconnects == ["/generate"], 5, "both calls cancelled")
 
+
+def test_pd_client_disconnect_after_prefill_answers_mid_chunk_closes_decode(fakes):
+    # the router then waits on decode's next chunk alone: the client going must still close it
+    prefill, decode = fakes
+    prefill.answer_after = 0.3  # answers after the first chunk reached the client
+    decode.chunks, decode.delay = 50, 3.0
+    with pd_router(fakes) as (c, state):
+        with c.stream("POST", "/generate", json={"text": "hi", "stream": True}) as resp:
+            lines = resp.iter_lines()  # (kept: a dropped iterator closes the connection)
+            assert next(lines).startswith("data:")
+            wait_until(lambda: prefill.answered == ["/generate"], 5, "the prefill call to answer")
+            time.sleep(0.2)  # for the router to read that answer (no state shows it); late only hides the case
+        wait_until(lambda: decode.disconnects == ["/generate"], 2.5, "the decode stream to be closed (before its next chunk)")
+        wait_until(lambda: all(w.in_flight == 0 for w in state.registry.workers), 5, "both counted finished")
 
 # ------------------------------------------------------------ the command line
 def test_the_router_command_imports_neither_torch_nor_the_engine():

@@ -153,12 +153,20 @@ async def _relay(resp: httpx.Response, first: bytes | None, chunks: Any, prefill
                 chunk = await next_chunk(chunks)
                 continue
             nxt = asyncio.ensure_future(next_chunk(chunks))
-            await asyncio.wait({nxt, prefill}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done() and (err := _prefill_error(prefill, prefill_w)) is not None:
-                cancel(nxt)
+            try:
+                # asyncio.wait, never ``await nxt``: an awaiting task passes each cancellation on to
+                # the read, and a second one cuts short httpcore's close: decode would run on
+                await asyncio.wait({nxt, prefill}, return_when=asyncio.FIRST_COMPLETED)
+                err = _prefill_error(prefill, prefill_w) if prefill.done() else None
+                if err is None:
+                    await asyncio.wait({nxt})
+            finally:
+                if not nxt.done():
+                    cancel(nxt)  # once: the read's own close of the connection then completes
+            if err is not None:
                 yield sse_error(err.status_code, f"the prefill worker failed: {_message(err)}", needs_break=tail != b"\n\n")
                 return
-            chunk = await nxt
+            chunk = nxt.result()
     except httpx.HTTPError as exc:
         if is_sse(resp):
             yield sse_error(502, f"the decode worker failed mid-stream: {type(exc).__name__}: {exc}", needs_break=tail != b"\n\n")
