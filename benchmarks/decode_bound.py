@@ -51,7 +51,7 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         if isinstance(module, Int8Linear):
             total += module.qweight.nbytes + module.scales.nbytes
         elif isinstance(module, Int4Linear):  # batch 1 takes the packed path, never the bf16 copy
-            total += module.qweight.nbytes + module.scales_zeros.nbytes
+            total += module.weight_bytes()
         elif isinstance(module, nn.Linear):
             total += module.weight.nbytes
         elif isinstance(module, nn.Embedding):

@@ -35,7 +35,7 @@ from radixlm.kernels.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-_COMPILED = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "kv_quant.cpp")
+_COMPILED = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "kv_quant.cpp", "q4_linear.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -80,7 +80,7 @@ def build_folder(files: list[Path] | None = None, root: Path | None = None) -> P
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled extension module (paged_decode, quantize_into, add_rms_norm, silu_mul, rope), or None when it cannot be built here.
+    """The compiled extension module (paged_decode, quantize_into, add_rms_norm, silu_mul, rope, q4_linear), or None when it cannot be built here.
 
     The first call builds (or finds) it; later calls return the same answer at once.
     """

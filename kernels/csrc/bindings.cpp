@@ -12,6 +12,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, torch::Tensor scales, double qmax);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor tiles, int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot ranges", py::arg("q"), py::arg("k_pool"),
@@ -25,4 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output", py::arg("gate_up"));
   m.def("rope", &rope, "Rotate-half rotary embedding with fp32 cos/sin [T, D/2]", py::arg("x"), py::arg("cos"),
         py::arg("sin"));
+  m.def("q4_linear", &q4_linear, "x @ W.T for float32 x [M, K] and W [n, K] in Q4_1 tiles of 4 rows", py::arg("x"),
+        py::arg("tiles"), py::arg("n"));
 }

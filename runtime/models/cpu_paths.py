@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from radixlm.kernels.cpu_ext import build_key, source_files
 from radixlm.kernels.paths import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,8 @@ def measure(shapes: Shapes, forms: tuple[str, ...] = FORMS, rows: tuple[int, ...
 
 
 def machine_key(shapes: Shapes, threads: int) -> str:
-    """What the timings depend on: the CPU, torch, the thread count and the shapes."""
+    """What the timings depend on: the CPU, torch, the thread count, the shapes and our C++
+    kernels' sources (the int4 form runs one of them)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -175,7 +177,8 @@ def machine_key(shapes: Shapes, threads: int) -> str:
                 break
     except OSError:
         pass
-    parts = [cpu, torch.backends.cpu.get_cpu_capability(), torch.__version__, str(threads), json.dumps(sorted(shapes.items()))]
+    kernels = build_key(source_files())
+    parts = [cpu, torch.backends.cpu.get_cpu_capability(), torch.__version__, str(threads), json.dumps(sorted(shapes.items())), kernels]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
