@@ -6,16 +6,18 @@ norms and the output head; one row of the embedding), so it cannot take less tha
 of a large fp32 matrix-vector product (the access pattern of a decode matmul), best of several.
 The decode speed is measured on one request (short prompt, ``--new-tokens`` greedy tokens).
 
-    .venv/bin/python benchmarks/decode_bound.py [--formats fp32 int8 int4] [--threads 2] [--out FILE]
+    .venv/bin/python benchmarks/decode_bound.py [--formats fp32 int8 int4 int4_torch] [--threads 2] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -23,6 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
 
+import radixlm.runtime.models.quant as quant_mod
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
@@ -88,16 +91,18 @@ def decode_ms_per_token(rt, new_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "bf16", "int8", "int4"])
+    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "bf16", "int8", "int4", "int4_torch"], help="int4_torch: int4 on PyTorch's kernel instead of ours")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     for fmt in args.formats:
-        quant = fmt if fmt.startswith("int") else None
+        quant = fmt.removesuffix("_torch") if fmt.startswith("int") else None
         dtype = "bfloat16" if fmt == "bf16" else "float32"
-        rt = build_parts(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096))
+        kernel = "torch" if fmt.endswith("_torch") else "auto"
+        with mock.patch.object(quant_mod, "Int4Linear", functools.partial(Int4Linear, kernel=kernel)):
+            rt = build_parts(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096))
         nbytes = weight_bytes_per_token(rt.runner.model)
         ms = decode_ms_per_token(rt, args.new_tokens)
         bw = read_bandwidth()  # measured next to each format, under the same conditions
