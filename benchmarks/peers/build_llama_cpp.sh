@@ -17,7 +17,13 @@ if [ ! -d llama.cpp ]; then
   tar -xzf sdist/llama_cpp_python-*.tar.gz -C sdist
   mv sdist/llama_cpp_python-*/vendor/llama.cpp llama.cpp
 fi
+# -march=native turns on ggml's AMX kernels where the CPU reports AMX, and on the VMs this project
+# runs on llama-server then dies at start-up (SIGILL on tilezero in tinygemm_kernel_amx) although
+# the kernel grants the tile state; radixlm uses no AMX either. PEERS_AMX=1 keeps them.
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if [ "${PEERS_AMX:-0}" = 1 ] || ! echo 'int main(){}' | c++ -x c++ $no_amx -o /dev/null - 2>/dev/null; then no_amx=""; fi
 cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 cmake --build llama.cpp/build --target llama-server llama-bench -j "$(nproc)"
