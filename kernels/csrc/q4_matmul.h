@@ -23,7 +23,6 @@
 
 namespace radixlm::q4 {
 
-
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockBytes = 20;
 constexpr int kTile = 4;  // weight rows stored interleaved, block by block, and computed together

@@ -92,7 +92,7 @@ def q4_1_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
 class Int4Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with W in 4-bit groups of 32 (scale and minimum per group).
 
-    ``kernel``: ``cpp``, our C++ kernel (``kernels/csrc/q4_linear.cpp``: Q4_1 blocks times
+    ``kernel``: ``cpp``, our C++ kernel (``kernels/csrc/q4_matmul.h``: Q4_1 blocks times
     8-bit-quantized activations, integer dot products), which runs every row count the same way;
     ``torch``, PyTorch's int4 kernel on bf16 activations; ``auto``, the C++ one where it built."""
 
