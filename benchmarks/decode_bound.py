@@ -12,20 +12,18 @@ The decode speed is measured on one request (short prompt, ``--new-tokens`` gree
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
+from weight_forms import weights_as  # noqa: E402
 
-import radixlm.runtime.models.quant as quant_mod
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
@@ -98,10 +96,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for fmt in args.formats:
-        quant = fmt.removesuffix("_torch") if fmt.startswith("int") else None
         dtype = "bfloat16" if fmt == "bf16" else "float32"
-        kernel = "torch" if fmt.endswith("_torch") else "auto"
-        with mock.patch.object(quant_mod, "Int4Linear", functools.partial(Int4Linear, kernel=kernel)):
+        with weights_as(fmt) as quant:
             rt = build_parts(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096))
         nbytes = weight_bytes_per_token(rt.runner.model)
         ms = decode_ms_per_token(rt, args.new_tokens)

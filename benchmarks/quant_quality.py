@@ -12,29 +12,24 @@ continuations under each form.
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import statistics
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import emit  # noqa: E402
+from weight_forms import weights_as  # noqa: E402
 from workloads import chat_questions, extraction_prompts  # noqa: E402
 
 import radixlm  # noqa: E402
-import radixlm.runtime.models.quant as quant_mod  # noqa: E402
-from radixlm.runtime.models.quant import Int4Linear  # noqa: E402
 
 
 def engine(form: str, threads: int) -> radixlm.Engine:
     """An engine with ``form`` weights (``int4_torch``: int4 on PyTorch's kernel, not ours)."""
-    quant = None if form == "fp32" else form.removesuffix("_torch")
-    kernel = "torch" if form.endswith("_torch") else "auto"
-    with mock.patch.object(quant_mod, "Int4Linear", functools.partial(Int4Linear, kernel=kernel)):
+    with weights_as(form) as quant:
         return radixlm.Engine(quantization=quant, num_threads=threads, disable_radix_cache=True)
 
 
@@ -47,7 +42,7 @@ def scored(eng: radixlm.Engine, seq: list[int]) -> list[tuple[float, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--forms", nargs="+", default=["int8", "int4", "int4_torch"], choices=["bf16", "int8", "int4", "int4_torch", "int4_bf16", "auto"])
+    ap.add_argument("--forms", nargs="+", default=["int8", "int4", "int4_torch"], choices=["int8", "int4", "int4_torch", "int4_bf16", "auto"])
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=64, help="fp32's greedy continuation scored after each prompt")
     ap.add_argument("--threads", type=int, default=2)

@@ -24,7 +24,13 @@ os.environ.setdefault("RADIXLM_CHECK_ACCOUNTING", "1")
 os.environ.setdefault("RADIXLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["RADIXLM_NUM_THREADS"]))
 
-from helpers import API_KEY, TINY_ARCHS, make_tiny_model  # noqa: E402
+from helpers import API_KEY, TINY_ARCHS, built_cpp_kernels, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cpp_ext():
+    """The C++ CPU kernels' module (built once per machine); skips without a compiler, fails under CI."""
+    return built_cpp_kernels()
 
 
 @pytest.fixture(scope="session")

@@ -299,6 +299,27 @@ def accepts_text(backend, tok, vocab: int, ends: set[int], kind: str, spec: str,
 
 
 # ------------------------------------------------------------ in-process HTTP servers (router tests)
+def missing_under_ci(what: str) -> None:
+    """Skip a test for lack of ``what``; under CI, which installs it, fail instead."""
+    import os
+
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} under CI, which provides it", pytrace=False)
+    pytest.skip(f"{what} here")
+
+
+def built_cpp_kernels():
+    """The C++ kernels' module; a skip where they cannot be built, a failure under CI."""
+    from radixlm.kernels.cpu_ext import cpu_kernels
+
+    ext = cpu_kernels()
+    if ext is None:
+        missing_under_ci("the C++ kernels could not be built (no compiler?)")
+    return ext
+
+
 def wait_until(condition: Callable[[], object], timeout: float = 20.0, what: str = "condition") -> None:
     """Poll ``condition`` until it is true; fail after ``timeout`` seconds."""
     import time

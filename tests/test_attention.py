@@ -81,12 +81,8 @@ def test_extend_rows_with_and_without_prefix_match_the_reference():
 @pytest.mark.parametrize("splits", [1, 3, 8], ids=lambda s: f"{s}-chunks")  # rows of 1-71 positions: some chunks empty
 @pytest.mark.parametrize("q_scale", [1.0, 60.0], ids=["plain", "peaked"])  # peaked: score gaps far below exp's range
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale, splits):
-    from radixlm.kernels.cpu_ext import cpu_kernels
-
-    ext = cpu_kernels()
-    if ext is None:
-        pytest.skip("the C++ kernel could not be built here (no compiler)")
+def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale, splits, cpp_ext):
+    ext = cpp_ext
     pool = _pool(2)
     k, v = pool.k[0].to(dtype), pool.v[0].to(dtype)
     rows = [list(range(300, 200, -2)) + [7, 9], list(range(3, 40)), [150], list(range(60, 131))]

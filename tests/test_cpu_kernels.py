@@ -7,18 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY_ARCHS
-from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.runtime.models import llama, rope
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.fixture(scope="module")
-def ext():
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the C++ kernels could not be built here (no compiler)")
-    return kernels
+def ext(cpp_ext):
+    return cpp_ext
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

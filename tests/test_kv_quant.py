@@ -3,13 +3,11 @@ against the reference on the dequantized pool, and the engine's scheduling scena
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_parity import NEW_TOKENS, _run_scenario, _tiny_prompts
 
-from helpers import Driver
+from helpers import Driver, built_cpp_kernels
 from radixlm import ServerArgs
 from radixlm.kernels.attention import reference_attention
 from radixlm.kernels.kv_quant import KV_CACHE_DTYPES, dequantize, quantize, resolve_kv_format
@@ -21,16 +19,6 @@ from radixlm.runtime.models.attention_backend import VERIFY_AS_DECODE_MAX, Torch
 H, HKV, D, SLOTS = 6, 2, 32, 512
 
 
-def _cpp_kernels():
-    """The C++ kernels; a skip where they cannot be built, a failure under CI (which installs a compiler)."""
-    from radixlm.kernels.cpu_ext import cpu_kernels
-
-    ext = cpu_kernels()
-    if ext is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C++ kernels did not build under CI", pytrace=False)
-        pytest.skip("the C++ kernels could not be built here (no compiler)")
-    return ext
 EIGHT_BIT = ["int8", "fp8_e4m3", "fp8_e5m2"]
 
 
@@ -63,7 +51,7 @@ def test_round_trip_error_stays_within_half_a_step_of_each_format(name):
 def test_the_cpp_quantizing_write_stores_exactly_what_the_pytorch_quantizer_computes(name, dtype):
     """CPU pools quantize with the fused C++ kernel; GPUs and the fallback with PyTorch ops: the
     same bits, so a pool's contents never depend on which path wrote them."""
-    ext = _cpp_kernels()
+    ext = built_cpp_kernels()
     fmt = resolve_kv_format(name, torch.float32)
     torch.manual_seed(1)
     x = (torch.randn(40, 4, D) * torch.tensor([1e-6, 1e-3, 3.0, 0.0])[None, :, None]).to(dtype)
@@ -131,7 +119,7 @@ def test_every_torch_backend_path_on_a_quantized_pool_equals_the_reference_on_th
     if not cpp_kernel:
         monkeypatch.setattr("radixlm.kernels.torch_decode.cpu_kernels", lambda: None)
     else:
-        _cpp_kernels()
+        built_cpp_kernels()
     pool = KVPool(SLOTS, 1, HKV, D, torch.float32, kv_format=name)
     batch, rows, q, k_new, v_new = _mixed_batch(pool, seed=3)
     backend = batch.attn_backend
@@ -152,7 +140,7 @@ def test_every_torch_backend_path_on_a_quantized_pool_equals_the_reference_on_th
 def test_the_cpp_kernel_reads_every_finite_fp8_value_exactly_subnormals_included(dtype):
     """Attending to a single key returns its value row: each fp8 bit pattern, read by the kernel,
     equals torch's own conversion."""
-    ext = _cpp_kernels()
+    ext = built_cpp_kernels()
     bits = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(dtype)
     finite = bits[torch.isfinite(bits.float())]
     rows = -(-len(finite) // D)
@@ -167,7 +155,7 @@ def test_the_cpp_kernel_reads_every_finite_fp8_value_exactly_subnormals_included
 
 
 def test_the_cpp_kernel_refuses_an_8bit_pool_without_its_scales():
-    ext = _cpp_kernels()
+    ext = built_cpp_kernels()
     pool = KVPool(16, 1, HKV, D, torch.float32, kv_format="int8")
     table, rows, one = torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="scales"):

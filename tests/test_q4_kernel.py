@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from radixlm.kernels.cpu_ext import CSRC, cpu_kernels
+from helpers import missing_under_ci
+from radixlm.kernels.cpu_ext import CSRC
 from radixlm.runtime.models.quant import Int4Linear, q4_1_quantize, q4_1_tiles
 
 SHAPES = [(1, 32), (3, 64), (4, 96), (101, 64), (576, 576), (130, 1536)]  # (out, in): tails of a tile, one block, many
@@ -37,11 +38,8 @@ FLAGS = {"avx2 without vnni": "-march=haswell", "plain C++": "-march=x86-64", "n
 
 
 @pytest.fixture(scope="module")
-def ext():
-    kernels = cpu_kernels()
-    if kernels is None:
-        pytest.skip("the C++ kernels could not be built here (no compiler)")
-    return kernels
+def ext(cpp_ext):
+    return cpp_ext
 
 
 def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +98,7 @@ def shims(tmp_path_factory):
     """The header built for each instruction set this machine can run: name -> library."""
     cxx = shutil.which("c++") or shutil.which("g++")
     if cxx is None:
-        pytest.skip("no C++ compiler here")
+        missing_under_ci("no C++ compiler")
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     folder = tmp_path_factory.mktemp("q4_shims")
     (folder / "shim.cpp").write_text(SHIM)

@@ -108,7 +108,6 @@ class Int4Linear(nn.Module):
         ext = cpu_kernels() if kernel != "torch" and w.device.type == "cpu" else None
         if kernel == "cpp" and ext is None:
             raise RuntimeError("the C++ CPU kernels are not available here (see the warning logged when they failed to build)")
-        self.kernel = "cpp" if ext is not None else "torch"
         self.register_buffer("tiles", q4_1_tiles(codes, scale, minimum) if ext is not None else None)
         self.register_buffer("qweight", None)
         self.register_buffer("scales_zeros", None)
@@ -116,6 +115,11 @@ class Int4Linear(nn.Module):
             self._pack_for_torch(codes, scale.float(), minimum.float())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.out_features = n
+
+    @property
+    def kernel(self) -> str:
+        """The kernel its calls run on: ``cpp`` or ``torch``."""
+        return "cpp" if self.tiles is not None else "torch"
 
     def _pack_for_torch(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         """PyTorch's int4 layout of the same codes."""
