@@ -6,7 +6,11 @@ norms and the output head; one row of the embedding), so it cannot take less tha
 of a large fp32 matrix-vector product (the access pattern of a decode matmul), best of several.
 The decode speed is measured on one request (short prompt, ``--new-tokens`` greedy tokens).
 
-    .venv/bin/python benchmarks/decode_bound.py [--formats fp32 int8 int4 int4_torch] [--threads 2] [--out FILE]
+    .venv/bin/python benchmarks/decode_bound.py [--formats fp32 int8 int4 int4_torch] [--threads 2]
+        [--decode-stack on off] [--out FILE]
+
+``--decode-stack on off`` runs each format with the C++ decoder stack and then through the
+Python layers (``--disable-decode-stack``), side by side.
 """
 
 from __future__ import annotations
@@ -92,21 +96,24 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "int4"], choices=["fp32", "bf16", "int8", "int4", "int4_torch"], help="int4_torch: int4 on PyTorch's kernel instead of ours")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--decode-stack", nargs="+", default=["on"], choices=["on", "off"], help="with the C++ decoder stack, through the Python layers, or both in turn")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rows = []
     for fmt in args.formats:
         dtype = "bfloat16" if fmt == "bf16" else "float32"
-        with weights_as(fmt) as quant:
-            rt = build_parts(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096))
-        nbytes = weight_bytes_per_token(rt.runner.model)
-        ms = decode_ms_per_token(rt, args.new_tokens)
-        bw = read_bandwidth()  # measured next to each format, under the same conditions
-        bound = 1e3 * nbytes / bw
-        rows.append((fmt, nbytes, bw, bound, ms))
-        del rt
+        for stack in args.decode_stack:
+            with weights_as(fmt) as quant:
+                rt = build_parts(ServerArgs(num_threads=args.threads, quantization=quant, dtype=dtype, max_total_tokens=4096, disable_decode_stack=stack == "off"))
+            nbytes = weight_bytes_per_token(rt.runner.model)
+            ms = decode_ms_per_token(rt, args.new_tokens)
+            bw = read_bandwidth()  # measured next to each run, under the same conditions
+            bound = 1e3 * nbytes / bw
+            label = fmt if len(args.decode_stack) == 1 else f"{fmt}, stack {stack}"
+            rows.append((label, nbytes, bw, bound, ms))
+            del rt
     lines = [
-        f"Batch-1 decode against the memory-bandwidth bound ({torch.get_num_threads()} threads).",
+        f"Batch-1 decode against the memory-bandwidth bound ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}).",
         "",
         "| weights | MB read per token | read bandwidth (GB/s) | bound (ms/token) | measured (ms/token) | tok/s | % of bound |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -35,7 +35,6 @@ from radixlm.kernels.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-_COMPILED = ("bindings.cpp", "paged_decode.cpp", "fused_ops.cpp", "kv_quant.cpp", "q4_linear.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -80,7 +79,7 @@ def build_folder(files: list[Path] | None = None, root: Path | None = None) -> P
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled extension module (paged_decode, quantize_into, add_rms_norm, silu_mul, rope, q4_linear), or None when it cannot be built here.
+    """The compiled extension module (paged_decode, quantize_into, add_rms_norm, silu_mul, rope, q4_linear, DecodeStack), or None when it cannot be built here.
 
     The first call builds (or finds) it; later calls return the same answer at once.
     """
@@ -97,7 +96,7 @@ def _load() -> ModuleType | None:
         files = source_files()
         folder = build_folder(files)
         _copy_sources(files, folder)
-        return _compile(folder)
+        return _compile(folder, [f.name for f in files if f.suffix == ".cpp"])
     except Exception as exc:  # no compiler, no headers, unwritable cache...: the PyTorch path serves instead
         logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch path", exc)
         return None
@@ -117,7 +116,7 @@ def _copy_sources(files: list[Path], folder: Path) -> None:
         os.replace(tmp, dest)
 
 
-def _compile(folder: Path) -> ModuleType:
+def _compile(folder: Path, sources: list[str]) -> ModuleType:
     from torch.utils import cpp_extension
 
     scripts = sysconfig.get_path("scripts")  # the pip-installed ninja, when no system one is on PATH
@@ -126,7 +125,7 @@ def _compile(folder: Path) -> ModuleType:
     with _build_guard(folder):
         return cpp_extension.load(
             name="radixlm_cpu_kernels",
-            sources=[str(folder / "src" / name) for name in _COMPILED],
+            sources=[str(folder / "src" / name) for name in sources],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),

@@ -95,6 +95,7 @@ class ModelRunner:
             quantize_model(self.model, args.quantization)
         elif self.dtype != torch.float32 and self.device.type == "cpu":
             self.model.keep_head_in_fp32()
+        self.model.decode_stacks.enabled = not args.disable_decode_stack
         self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.dtype)
         cfg = self.config

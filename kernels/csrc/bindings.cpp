@@ -13,6 +13,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, torch::Tensor scales, double qmax);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor tiles, int64_t n);
+void bind_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot ranges", py::arg("q"), py::arg("k_pool"),
@@ -28,4 +29,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"));
   m.def("q4_linear", &q4_linear, "x @ W.T for float32 x [M, K] and W [n, K] in Q4_1 tiles of 4 rows", py::arg("x"),
         py::arg("tiles"), py::arg("n"));
+  bind_decode_stack(m);
 }

@@ -239,9 +239,18 @@ class AutoLinear(nn.Module):
         """The product in the form of ``x``'s row count; returns ``x``'s dtype."""
         form = self.plan.form_for(x.numel() // x.shape[-1])
         if form == "fp32":
-            y = torch.nn.functional.linear(x.float(), self.w_fp32).to(x.dtype)
-        elif form == "bf16":
+            return torch.nn.functional.linear(x.float(), self.w_fp32, self.bias).to(x.dtype)
+        if form == "bf16":
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.w_bf16).to(x.dtype)
         else:
             y = self.impls[form](x)
         return y if self.bias is None else y + self.bias
+
+    def decode_weight(self, rows: int) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+        """``(weight, out_features, bias)`` (fp32 [n, K] or Q4_1 tiles) when calls of ``rows`` rows
+        run in one of those forms, else None (see ``radixlm.runtime.models.decode_stack``)."""
+        form = self.plan.form_for(rows)
+        if form == "fp32":
+            return self.w_fp32, self.out_features, self.bias
+        inner = self.impls["int4"].decode_weight(rows) if form == "int4" else None
+        return None if inner is None else (inner[0], inner[1], self.bias)

@@ -24,6 +24,7 @@ from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.runtime.distributed.sharding import TPShard, shard_rows
 from radixlm.runtime.forward_batch import ForwardBatch
 from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.decode_stack import DecodeStacks
 from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -158,6 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.head_fp32: torch.Tensor | None = None
+        self.decode_stacks = DecodeStacks(self)  # decode steps on CPUs, every layer in one C++ call
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``input_ids`` (summed over the ranks' vocabulary slices under TP)."""
@@ -173,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states ``[T, hidden]`` of the batch's new tokens."""
         x = self.embed(batch.input_ids)
         rope = self.rotary.table(batch.positions, x.dtype)
+        stacked = self.decode_stacks.run(x, rope, batch)
+        if stacked is not None:
+            x, residual = stacked
+            return self.norm.add_forward(x, residual)[1]
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual, batch)

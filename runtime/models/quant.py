@@ -150,6 +150,13 @@ class Int4Linear(nn.Module):
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def decode_weight(self, rows: int) -> tuple[torch.Tensor, int, torch.Tensor | None] | None:
+        """``(tiles, out_features, bias)`` when calls of ``rows`` rows run the C++ kernel, else None
+        (what ``radixlm.runtime.models.decode_stack`` computes this layer with)."""
+        if self.tiles is None or (self.dense is not None and rows >= self.dense_from):
+            return None
+        return self.tiles, self.out_features, self.bias
+
     def weight_bytes(self) -> int:
         """Bytes of the packed weights (and scales) a call of few rows reads."""
         if self.tiles is not None:
@@ -189,6 +196,9 @@ def quantize_model(model: nn.Module, mode: str, plan_fn: Callable[..., PathPlan]
         head = nn.Linear(model.config.hidden_size, model.embed_tokens.weight.shape[0], bias=False)
         head.weight = model.embed_tokens.weight
         model.lm_head = make(head)
+    stacks = getattr(model, "decode_stacks", None)
+    if stacks is not None:  # they point at the replaced layers' weights
+        stacks.clear()
 
 
 def _maker(plan: PathPlan) -> Callable[[nn.Linear], nn.Module]:

@@ -145,6 +145,7 @@ class DraftModelProposer:
             self.backend = select_attention_backend(args.attention_backend, self.device)
             self.context_len = min(runner.context_len, cfg.context_length)
             self._stamps = torch.zeros(runner.max_total_tokens, dtype=torch.int64, device=self.device)
+        self.model.decode_stacks.enabled = not args.disable_decode_stack
         self._passes = 0
         self._state: dict[Req, _DraftKV] = {}
 

@@ -82,5 +82,5 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_build(monke
         return "module"
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    assert cpu_ext._compile(folder) == "module"
+    assert cpu_ext._compile(folder, ["bindings.cpp"]) == "module"
     assert seen == [False]  # torch's wait (which has no time limit) would otherwise never end

@@ -1,0 +1,163 @@
+// A Llama-family decoder stack for decode steps on CPUs: every layer of one step in one call.
+//
+// At batch 1 a decode step is mostly fixed cost: ~15 PyTorch ops a layer, each a Python call,
+// a dispatch and an allocation, around matmuls that take a few microseconds each. This runs the
+// same per-layer sequence from C++ (the same kernels the Python path calls, so the results are
+// the same to the bit):
+//
+//   residual, h = add_rms_norm(x, residual)          (x itself for the first layer)
+//   q, k, v     = split(h @ Wqkv.T (+ b)); q, k = rope(q), rope(k)
+//   pool[slots] = k, v                                (converted or quantized to the pool's format)
+//   a           = paged_decode(q over the pool)      (each row's positions [start, start + len))
+//   residual, h = add_rms_norm(a @ Wo.T, residual)
+//   x           = silu_mul(h @ Wgate_up.T) @ Wdown.T
+//
+// A linear layer's weight is either Q4_1 tiles (uint8, q4_matmul.h's layout) or a dense float32
+// matrix; only the fused q/k/v projection may have a bias.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                        torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
+                                        torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
+                                        c10::optional<torch::Tensor> init_lse, c10::optional<torch::Tensor> k_scale,
+                                        c10::optional<torch::Tensor> v_scale, int64_t splits);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+                                        double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, torch::Tensor scales, double qmax);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor tiles, int64_t n);
+
+namespace {
+
+// y = x @ W.T (+ b), as Int4Linear (Q4_1 tiles, then the bias added) or F.linear (float32) computes it.
+struct Linear {
+  torch::Tensor weight;  // uint8 Q4_1 tiles, or float32 [n, K]
+  int64_t n;
+  c10::optional<torch::Tensor> bias;
+
+  Linear(torch::Tensor w, int64_t out_features, c10::optional<torch::Tensor> b = c10::nullopt)
+      : weight(std::move(w)), n(out_features), bias(std::move(b)) {
+    TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "a decode-stack weight must be a 2-D CPU tensor");
+    TORCH_CHECK(weight.scalar_type() == torch::kUInt8 || (weight.scalar_type() == torch::kFloat && weight.size(0) == n),
+                "a decode-stack weight must be Q4_1 tiles (uint8) or float32 [n, K]");
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n, "a bias must be float32 [n]");
+    }
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (weight.scalar_type() == torch::kFloat) return at::linear(x, weight, bias);
+    auto y = q4_linear(x, weight, n);
+    return bias.has_value() ? y + *bias : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps) {
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && heads % kv_heads == 0, "heads must be a positive multiple of kv_heads");
+    TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
+  }
+
+  // Append a layer; each weight is uint8 Q4_1 tiles with its output count n, or float32 [n, K].
+  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, int64_t qkv_n, c10::optional<torch::Tensor> qkv_bias,
+                 torch::Tensor o, int64_t o_n, torch::Tensor post_norm, torch::Tensor gate_up, int64_t gate_up_n,
+                 torch::Tensor down, int64_t down_n) {
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(qkv_n == q_size + 2 * kv_size, "qkv must have heads * head_dim + 2 * kv_heads * head_dim outputs");
+    TORCH_CHECK(gate_up_n % 2 == 0, "gate_up must have an even number of outputs");
+    TORCH_CHECK(input_norm.scalar_type() == torch::kFloat && post_norm.scalar_type() == torch::kFloat,
+                "the norms' weights must be float32");
+    TORCH_CHECK(input_norm.numel() == post_norm.numel(), "the two norms must have the hidden size");
+    layers_.push_back(Layer{input_norm, post_norm, Linear(qkv, qkv_n, qkv_bias), Linear(o, o_n), Linear(gate_up, gate_up_n),
+                            Linear(down, down_n)});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [B, hidden] float32 (the embeddings of B decode tokens); cos/sin [B, D/2] float32;
+  // k_pools/v_pools: one [N, Hkv, D] tensor a layer (any dtype paged_decode reads), k_scales /
+  // v_scales: their fp16 [N, Hkv] scales for 8-bit pools (qmax: the format's largest code);
+  // slots [B]: where the new KV goes; table/rows/starts/lens as for paged_decode (each row's
+  // positions to attend, the new token included). Returns (x, residual) after the last layer.
+  std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                     const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                                     const std::vector<c10::optional<torch::Tensor>>& k_scales,
+                                     const std::vector<c10::optional<torch::Tensor>>& v_scales, double qmax,
+                                     torch::Tensor slots, torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
+                                     torch::Tensor lens, int64_t splits) const {
+    const int64_t n_layers = num_layers();
+    TORCH_CHECK(n_layers > 0, "the decode stack has no layers");
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [B, hidden]");
+    TORCH_CHECK(static_cast<int64_t>(k_pools.size()) == n_layers && static_cast<int64_t>(v_pools.size()) == n_layers &&
+                    static_cast<int64_t>(k_scales.size()) == n_layers && static_cast<int64_t>(v_scales.size()) == n_layers,
+                "one K and V pool (and scale entry) per layer");
+    const int64_t b = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    TORCH_CHECK(slots.numel() == b && rows.numel() == b && lens.numel() == b && starts.numel() == b,
+                "one slot, table row, start and length per token");
+    auto slot_index = slots.to(torch::kLong).contiguous();
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    torch::Tensor residual;
+    for (int64_t i = 0; i < n_layers; ++i) {
+      const Layer& layer = layers_[i];
+      auto normed = add_rms_norm(x, residual.defined() ? c10::optional<torch::Tensor>(residual) : c10::nullopt,
+                                 layer.input_norm, eps_);
+      residual = normed[0];
+      auto qkv = layer.qkv(normed[1]);
+      auto q = rope(qkv.narrow(1, 0, q_size).view({b, heads_, head_dim_}), cos, sin);
+      auto k = rope(qkv.narrow(1, q_size, kv_size).view({b, kv_heads_, head_dim_}), cos, sin);
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({b, kv_heads_, head_dim_});
+      store(k, k_pools[i], k_scales[i], slot_index, qmax);
+      store(v, v_pools[i], v_scales[i], slot_index, qmax);
+      auto attn = paged_decode(q, k_pools[i], v_pools[i], table, rows, starts, lens, scale, c10::nullopt, c10::nullopt,
+                               k_scales[i], v_scales[i], splits)[0];
+      normed = add_rms_norm(layer.o(attn.view({b, q_size})), residual, layer.post_norm, eps_);
+      residual = normed[0];
+      x = layer.down(silu_mul(layer.gate_up(normed[1])));
+    }
+    return {x, residual};
+  }
+
+ private:
+  // Write the new tokens' keys (or values) [B, Hkv, D] into the pool at slots.
+  static void store(const torch::Tensor& x, const torch::Tensor& pool, const c10::optional<torch::Tensor>& scales,
+                    const torch::Tensor& slots, double qmax) {
+    if (scales.has_value()) {
+      quantize_into(x, slots, pool, *scales, qmax);
+    } else {
+      pool.index_copy_(0, slots, x.scalar_type() == pool.scalar_type() ? x : x.to(pool.scalar_type()));
+    }
+  }
+
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_;
+  std::vector<Layer> layers_;
+};
+
+void bind_decode_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecodeStack>(m, "DecodeStack", "A Llama-family decoder stack for decode steps, every layer in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("eps"))
+      .def("add_layer", &DecodeStack::add_layer, "Append a layer (each weight: Q4_1 tiles or float32 [n, K])",
+           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_n"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_n"),
+           py::arg("post_norm"), py::arg("gate_up"), py::arg("gate_up_n"), py::arg("down"), py::arg("down_n"))
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, "Every layer for B decode tokens; returns (x, residual)", py::arg("x"),
+           py::arg("cos"), py::arg("sin"), py::arg("k_pools"), py::arg("v_pools"), py::arg("k_scales"),
+           py::arg("v_scales"), py::arg("qmax"), py::arg("slots"), py::arg("table"), py::arg("rows"), py::arg("starts"),
+           py::arg("lens"), py::arg("splits"));
+}
