@@ -4,10 +4,13 @@ Runs the few-shot workload (shared ~420-token prefix) until every request decode
 ``--steps`` decode steps at the given batch sizes, splitting each step into: the model's linear
 layers (matmuls, incl. the output head), attention (KV writes, gathers, softmax), the rest of the
 forward (norms, RoPE, embeddings), token picking (sampling, masks, stop checks), detokenization,
-and scheduling plus Python overhead (the remainder).
+and scheduling plus Python overhead (the remainder). A step the C++ decoder stack runs (a batch
+of rows with no shared prefix, e.g. batch 1) has its layers in one call, timed as "decoder
+stack" (matmuls and attention then count the output head and the attention metadata only);
+``--no-decode-stack`` splits them as before.
 
     .venv/bin/python benchmarks/decode_profile.py [--batch 1 8 32] [--quantization int4]
-        [--no-cascade] [--no-cpp-kernel] [--threads 2] [--out FILE]
+        [--no-cascade] [--no-cpp-kernel] [--no-decode-stack] [--threads 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from report import emit  # noqa: E402
 from workloads import few_shot_prompts  # noqa: E402
 
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
+import radixlm.runtime.models.decode_stack as decode_stack  # noqa: E402
 import radixlm.runtime.models.llama as llama  # noqa: E402
 import radixlm.runtime.models.rope as rope  # noqa: E402
 from radixlm.runtime.engine import build_parts  # noqa: E402
@@ -58,6 +62,17 @@ def instrument(rt, clock: Clock) -> None:
         if isinstance(module, (nn.Linear, Int8Linear, Int4Linear)) and module is not model.lm_head:
             module.forward = clock.wrap("matmul", module.forward)
     model.compute_logits = clock.wrap("matmul", model.compute_logits)  # the output head
+    stacks = model.decode_stacks
+    run_stack = stacks.run
+
+    def stacked(*args):  # only the calls the stack takes count as its time
+        t = time.perf_counter()
+        out = run_stack(*args)
+        if out is not None:
+            clock.totals["stack"] = clock.totals.get("stack", 0.0) + time.perf_counter() - t
+        return out
+
+    stacks.run = stacked
     backend = rt.runner.attn_backend
     backend.forward = clock.wrap("attention", backend.forward)
     backend.init_forward_metadata = clock.wrap("attention", backend.init_forward_metadata)
@@ -68,7 +83,7 @@ def instrument(rt, clock: Clock) -> None:
 
 
 def profile(batch: int, steps: int, args: argparse.Namespace) -> dict[str, float]:
-    rt = build_parts(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization, dtype=args.dtype))
+    rt = build_parts(ServerArgs(max_total_tokens=60000, num_threads=args.threads, quantization=args.quantization, dtype=args.dtype, disable_decode_stack=args.no_decode_stack))
     tok = rt.tokenizer
     for i, p in enumerate(few_shot_prompts(batch)):
         rt.scheduler.add(Req(rid=str(i), input_ids=tok(p).input_ids, params=SamplingParams(max_new_tokens=steps + 64, temperature=0, ignore_eos=True), sink=lambda out: None))
@@ -84,12 +99,13 @@ def profile(batch: int, steps: int, args: argparse.Namespace) -> dict[str, float
     total = (time.perf_counter() - t) / steps
     per = {k: v / steps for k, v in clock.totals.items()}
     matmul, attention, forward = per.get("matmul", 0), per.get("attention", 0), per.get("forward", 0)
-    pick, detok = per.get("pick", 0), per.get("detokenize", 0)
+    pick, detok, stack = per.get("pick", 0), per.get("detokenize", 0), per.get("stack", 0)
     return {
         "step": total,
+        "decoder stack": stack,
         "matmuls": matmul,
         "attention": attention,
-        "other forward": forward - matmul - attention,
+        "other forward": forward - matmul - attention - stack,
         "sampling & stop checks": pick - detok,
         "detokenize": detok,
         "scheduling & Python": total - forward - pick,
@@ -105,16 +121,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-cascade", action="store_true", help="Disable the shared-prefix decode attention (the 'before' path).")
     ap.add_argument("--no-cpp-kernel", action="store_true", help="Use the PyTorch code instead of the C++ CPU kernels (attention, norms, SiLU, RoPE).")
+    ap.add_argument("--no-decode-stack", action="store_true", help="Run decode steps through the Python layers (--disable-decode-stack).")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.no_cascade:
         torch_decode.MIN_SHARED_PREFIX = 1 << 30
     if args.no_cpp_kernel:
-        for module in (torch_decode, llama, rope):
+        for module in (torch_decode, llama, rope, decode_stack):
             module.cpu_kernels = lambda: None
     rows = {b: profile(b, args.steps, args) for b in args.batch}
-    keys = ["matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
-    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernels {'off' if args.no_cpp_kernel else 'on'}, {torch.get_num_threads()} threads"
+    keys = ["decoder stack", "matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
+    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernels {'off' if args.no_cpp_kernel else 'on'}, decoder stack {'off' if args.no_decode_stack else 'on'}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
     lines = [f"Decode step breakdown ({label}); ms per step (share of the step).", "", "| batch | step (ms) | output tok/s | " + " | ".join(keys) + " |", "|---:|---:|---:|" + "---:|" * len(keys)]
     for b, r in rows.items():
         cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]

@@ -150,6 +150,25 @@ _decoder = json.JSONDecoder()
 _WS = re.compile(r"[ \t\n\r]*")
 
 
+def _closed_outside_strings(text: str, pos: int, close: str) -> bool:
+    """Whether ``close`` occurs in ``text[pos:]`` outside the JSON strings that begin there."""
+    in_string = escaped = False
+    for i in range(pos, len(text)):
+        c = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif text.startswith(close, i):
+            return True
+    return False
+
+
 def _raw_call(text: str, pos: int) -> tuple[dict[str, Any], int]:
     """The call object at ``text[pos:]`` (whitespace first allowed) and where it ends."""
     pos = _WS.match(text, pos).end()
@@ -236,8 +255,8 @@ def parse_auto(text: str, fmt: ToolFormat = HERMES) -> tuple[str | None, list[di
         try:
             call, end = _raw_call(text, pos + len(fmt.open))
         except json.JSONDecodeError:
-            if text.find(fmt.close, pos) < 0:
-                break  # cut by max_tokens inside the call
+            if not _closed_outside_strings(text, pos + len(fmt.open), fmt.close):
+                break  # cut by max_tokens inside the call (a marker inside a JSON string does not close it)
             return text, []
         except (KeyError, TypeError):
             return text, []

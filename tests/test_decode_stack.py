@@ -19,7 +19,7 @@ PROMPTS = ([5, 9, 14, 3, 22, 40, 7], [31, 8, 8, 60, 2])  # no shared first slot:
 
 def _decode_logits(model_path: str, stack: bool, prompts=PROMPTS, steps: int = 6, seen: list | None = None, **args) -> tuple[list[torch.Tensor], int]:
     """Every forward's logits while ``prompts`` decode ``steps`` greedy tokens, and how many
-    forwards the stack ran (``seen`` gets (shared prefixes in the batch, stack ran) per forward)."""
+    forwards the stack ran (``seen`` gets (shared prefixes, stack ran, query tokens) per forward)."""
     rt = build_parts(ServerArgs(model_path=model_path, max_total_tokens=512, **args))
     stacks = rt.runner.model.decode_stacks
     ran = [0]
@@ -29,7 +29,7 @@ def _decode_logits(model_path: str, stack: bool, prompts=PROMPTS, steps: int = 6
         out = original(x, rope, batch) if stack else None
         ran[0] += out is not None
         if seen is not None and batch.attn_meta.decode is not None:
-            seen.append((len(batch.attn_meta.decode.groups), out is not None))
+            seen.append((len(batch.attn_meta.decode.groups), out is not None, x.shape[0]))
         return out
 
     stacks.run = run
@@ -63,14 +63,37 @@ def test_the_stack_writes_and_reads_every_kv_format_as_the_pool_does(cpp_ext, ti
         assert torch.equal(a, b), f"forward {step} ({kv_dtype} KV): differs by up to {(a - b).abs().max():.3g}"
 
 
-def test_rows_sharing_a_cached_prefix_take_the_cascade_path(cpp_ext, tiny_llama):
-    shared = list(range(3, 60))  # one prefix for both rows, longer than MIN_SHARED_PREFIX
-    prompts = (shared + [70, 71], shared + [80])
+SHARED = list(range(3, 60))  # one prefix for both rows, longer than MIN_SHARED_PREFIX
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_rows_over_a_shared_prefix_attend_it_once_as_the_cascade_path_does(cpp_ext, tiny_llama, quantization):
+    prompts = (SHARED + [70, 71], SHARED + [80], [90, 91, 92])  # two share a prefix, one does not
     seen = []
-    fused, _ = _decode_logits(tiny_llama, True, prompts=prompts, seen=seen, quantization="int4")
-    plain, _ = _decode_logits(tiny_llama, False, prompts=prompts, quantization="int4")
-    assert (1, False) in seen and (1, True) not in seen  # a batch over a shared prefix is declined
-    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    fused, _ = _decode_logits(tiny_llama, True, prompts=prompts, seen=seen, quantization=quantization)
+    plain, _ = _decode_logits(tiny_llama, False, prompts=prompts, quantization=quantization)
+    assert any(g == 1 and ran for g, ran, _ in seen)  # the stack ran batches with a shared prefix
+    for step, (a, b) in enumerate(zip(fused, plain)):
+        assert torch.equal(a, b), f"forward {step}: differs by up to {(a - b).abs().max():.3g}"
+
+
+def test_a_shared_prefix_in_a_pool_of_another_dtype_keeps_the_python_path(cpp_ext, tiny_llama):
+    seen = []
+    _decode_logits(tiny_llama, True, prompts=(SHARED + [70], SHARED + [80]), seen=seen, kv_cache_dtype="int8")
+    assert any(g == 1 for g, _, _ in seen) and not any(g and ran for g, ran, _ in seen)
+
+
+def test_speculative_verify_rows_give_the_python_layers_logits(cpp_ext, tiny_llama):
+    # the prompt repeats itself, so the n-gram proposer drafts and each verify pass is one query a draft token
+    prompt = [5, 9, 14, 3, 22, 40, 7] * 8
+    args = dict(prompts=(prompt,), steps=24, speculative_algorithm="ngram")
+    verify = []
+    fused, ran = _decode_logits(tiny_llama, True, seen=verify, **args)
+    plain, _ = _decode_logits(tiny_llama, False, **args)
+    assert any(ran and queries > 1 for _, ran, queries in verify)  # a verify pass went through the stack
+    assert len(fused) == len(plain)
+    for step, (a, b) in enumerate(zip(fused, plain)):
+        assert a.shape == b.shape and torch.equal(a, b), f"forward {step}: differs"
 
 
 def test_a_layer_the_stack_cannot_compute_keeps_the_python_path(cpp_ext, tiny_llama):

@@ -375,3 +375,12 @@ def test_mistral_marker_is_never_content_and_opens_the_call_list():
     content, calls = _assemble(deltas)
     assert content == "Let me see." and [(c["name"], c["arguments"]) for c in calls] == [("f", '{"q": "[TOOL_CALLS]"}'), ("g", "[]")]
     assert all("[TOOL" not in d.get("content", "") for d in deltas)
+
+
+def test_a_cut_call_whose_string_holds_the_closing_marker_keeps_the_whole_call_before_it():
+    first = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    text = first + '<tool_call>{"name": "g", "arguments": {"</tool_call>": "x'  # cut by max_tokens
+    content, calls = _parse("auto", text)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("f", "{}")]
+    _, streamed = _assemble(_stream("auto", text, list(range(1, len(text) + 1))))
+    assert [c["name"] for c in streamed][:1] == ["f"]

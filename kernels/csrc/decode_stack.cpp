@@ -8,7 +8,9 @@
 //   residual, h = add_rms_norm(x, residual)          (x itself for the first layer)
 //   q, k, v     = split(h @ Wqkv.T (+ b)); q, k = rope(q), rope(k)
 //   pool[slots] = k, v                                (converted or quantized to the pool's format)
-//   a           = paged_decode(q over the pool)      (each row's positions [start, start + len))
+//   p           = flash attention of each shared prefix's rows over it (cascade attention, as
+//                 kernels/torch_decode.py's _prefix_parts computes it)
+//   a           = paged_decode(q over the pool, continuing p)   (each row's positions [start, start + len))
 //   residual, h = add_rms_norm(a @ Wo.T, residual)
 //   x           = silu_mul(h @ Wgate_up.T) @ Wdown.T
 //
@@ -18,6 +20,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <limits>
 #include <vector>
 
 std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -92,13 +95,18 @@ class DecodeStack {
   // k_pools/v_pools: one [N, Hkv, D] tensor a layer (any dtype paged_decode reads), k_scales /
   // v_scales: their fp16 [N, Hkv] scales for 8-bit pools (qmax: the format's largest code);
   // slots [B]: where the new KV goes; table/rows/starts/lens as for paged_decode (each row's
-  // positions to attend, the new token included). Returns (x, residual) after the last layer.
+  // positions to attend after its shared prefix, the new token included); prefix_rows /
+  // prefix_slots / prefix_starts: the shared prefixes (the rows of each, its slots, its first
+  // slot when they are contiguous, else -1; they need a pool in x's dtype). Returns (x,
+  // residual) after the last layer.
   std::vector<torch::Tensor> forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                      const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
                                      const std::vector<c10::optional<torch::Tensor>>& k_scales,
                                      const std::vector<c10::optional<torch::Tensor>>& v_scales, double qmax,
                                      torch::Tensor slots, torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
-                                     torch::Tensor lens, int64_t splits) const {
+                                     torch::Tensor lens, int64_t splits, const std::vector<torch::Tensor>& prefix_rows,
+                                     const std::vector<torch::Tensor>& prefix_slots,
+                                     const std::vector<int64_t>& prefix_starts) const {
     const int64_t n_layers = num_layers();
     TORCH_CHECK(n_layers > 0, "the decode stack has no layers");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat, "x must be float32 [B, hidden]");
@@ -109,6 +117,10 @@ class DecodeStack {
     TORCH_CHECK(slots.numel() == b && rows.numel() == b && lens.numel() == b && starts.numel() == b,
                 "one slot, table row, start and length per token");
     auto slot_index = slots.to(torch::kLong).contiguous();
+    TORCH_CHECK(prefix_rows.size() == prefix_slots.size() && prefix_rows.size() == prefix_starts.size(),
+                "one row set, slot list and start per shared prefix");
+    std::vector<Prefix> prefixes;
+    for (size_t g = 0; g < prefix_rows.size(); ++g) prefixes.push_back(Prefix{prefix_rows[g], prefix_slots[g], prefix_starts[g]});
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
     torch::Tensor residual;
     for (int64_t i = 0; i < n_layers; ++i) {
@@ -122,7 +134,9 @@ class DecodeStack {
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({b, kv_heads_, head_dim_});
       store(k, k_pools[i], k_scales[i], slot_index, qmax);
       store(v, v_pools[i], v_scales[i], slot_index, qmax);
-      auto attn = paged_decode(q, k_pools[i], v_pools[i], table, rows, starts, lens, scale, c10::nullopt, c10::nullopt,
+      c10::optional<torch::Tensor> init_out, init_lse;
+      prefix_parts(q, k_pools[i], v_pools[i], prefixes, scale, init_out, init_lse);
+      auto attn = paged_decode(q, k_pools[i], v_pools[i], table, rows, starts, lens, scale, init_out, init_lse,
                                k_scales[i], v_scales[i], splits)[0];
       normed = add_rms_norm(layer.o(attn.view({b, q_size})), residual, layer.post_norm, eps_);
       residual = normed[0];
@@ -132,6 +146,48 @@ class DecodeStack {
   }
 
  private:
+  struct Prefix {
+    torch::Tensor rows, slots;  // rows: indices of the query rows that share it; slots: its slots
+    int64_t start;              // its first slot when contiguous, else -1
+  };
+
+  // Each shared prefix attended once by all its rows' queries q [B, H, D]: the normalized output
+  // and log-sum-exp every row's own part continues (left unset when there is no prefix).
+  void prefix_parts(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                    const std::vector<Prefix>& prefixes, double scale, c10::optional<torch::Tensor>& init_out,
+                    c10::optional<torch::Tensor>& init_lse) const {
+    if (prefixes.empty()) return;
+    TORCH_CHECK(k_pool.scalar_type() == q.scalar_type(), "shared prefixes need a pool in the activations' dtype");
+    const int64_t b = q.size(0), group = heads_ / kv_heads_;
+    auto qd = q.view({b, kv_heads_, group, head_dim_});
+    torch::Tensor out, lse;
+    for (const Prefix& p : prefixes) {
+      const int64_t n = p.rows.numel();
+      auto kp = p.start >= 0 ? k_pool.narrow(0, p.start, p.slots.numel()) : k_pool.index_select(0, p.slots);
+      auto vp = p.start >= 0 ? v_pool.narrow(0, p.start, p.slots.numel()) : v_pool.index_select(0, p.slots);
+      auto rows_q = n == b ? qd : qd.index_select(0, p.rows);
+      auto qg = rows_q.permute({1, 0, 2, 3}).reshape({1, kv_heads_, n * group, head_dim_});
+      auto parts = at::_scaled_dot_product_flash_attention_for_cpu(qg, kp.transpose(0, 1).unsqueeze(0),
+                                                                  vp.transpose(0, 1).unsqueeze(0), 0.0, false,
+                                                                  c10::nullopt, scale);
+      auto o2 = std::get<0>(parts).view({kv_heads_, n, group, head_dim_}).transpose(0, 1);
+      auto lse2 = std::get<1>(parts).unsqueeze(-1).view({kv_heads_, n, group, 1}).transpose(0, 1);
+      if (prefixes.size() == 1 && n == b) {  // one prefix shared by every row (in order)
+        out = o2;
+        lse = lse2;
+        break;
+      }
+      if (!out.defined()) {
+        out = torch::zeros({b, kv_heads_, group, head_dim_}, q.options().dtype(torch::kFloat));
+        lse = torch::full({b, kv_heads_, group, 1}, -std::numeric_limits<float>::infinity(), q.options().dtype(torch::kFloat));
+      }
+      out.index_put_({p.rows}, o2.to(torch::kFloat));
+      lse.index_put_({p.rows}, lse2);
+    }
+    init_out = out;
+    init_lse = lse;
+  }
+
   // Write the new tokens' keys (or values) [B, Hkv, D] into the pool at slots.
   static void store(const torch::Tensor& x, const torch::Tensor& pool, const c10::optional<torch::Tensor>& scales,
                     const torch::Tensor& slots, double qmax) {
@@ -159,5 +215,5 @@ void bind_decode_stack(pybind11::module& m) {
       .def("forward", &DecodeStack::forward, "Every layer for B decode tokens; returns (x, residual)", py::arg("x"),
            py::arg("cos"), py::arg("sin"), py::arg("k_pools"), py::arg("v_pools"), py::arg("k_scales"),
            py::arg("v_scales"), py::arg("qmax"), py::arg("slots"), py::arg("table"), py::arg("rows"), py::arg("starts"),
-           py::arg("lens"), py::arg("splits"));
+           py::arg("lens"), py::arg("splits"), py::arg("prefix_rows"), py::arg("prefix_slots"), py::arg("prefix_starts"));
 }

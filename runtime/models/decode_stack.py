@@ -5,10 +5,12 @@ in its matmuls. When a batch is decode rows only and nothing in it needs the Pyt
 model hands every decoder layer to the C++ ``DecodeStack``, which runs the same kernels in the
 same order (so the outputs are the same to the bit) without going back to Python in between.
 
-The Python path stays for everything else: prefill and mixed batches, rows that share a cached
-prefix (cascade attention), speculative verify rows, tensor parallelism, GPUs, dtypes other
-than fp32, weight forms the stack does not take (int8, bf16), and machines without the C++
-kernels.
+The batches it takes are one query token per row: decode rows and speculative verify rows
+(each draft token a query of its own, as the attention backend plans them), with or without
+shared prefixes (cascade attention). The Python path stays for everything else: prompts to
+prefill, shared prefixes in a KV pool of another dtype than the activations, tensor
+parallelism, GPUs, dtypes other than fp32, weight forms the stack does not take (int8, bf16),
+and machines without the C++ kernels.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ class DecodeStacks:
         pool = batch.kv_pool
         cos, sin = rope
         splits = cpu_decode_splits(rows * pool.num_kv_heads, plan.longest_suffix, torch.get_num_threads())
+        groups = plan.groups
         x, residual = stack.forward(
             x, cos.reshape(rows, -1), sin.reshape(rows, -1), pool.k, pool.v, pool.k_scale, pool.v_scale,
-            float(pool.format.qmax or 0.0), batch.out_slots, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, splits,
+            float(pool.format.qmax), batch.out_slots, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, splits,
+            [g.rows for g in groups], [g.slots for g in groups], [-1 if g.start is None else g.start for g in groups],
         )  # fmt: skip
         return x, residual
 
@@ -78,11 +82,15 @@ class DecodeStacks:
         """The batch's decode plan when the stack can run it, else None."""
         if not self.enabled or x.device.type != "cpu" or x.dtype != torch.float32 or self.model.group is not None:
             return None
-        if batch.num_decode == 0 or batch.num_decode != batch.batch_size or not isinstance(batch.attn_backend, TorchAttentionBackend):
+        if not isinstance(batch.attn_backend, TorchAttentionBackend):
             return None
         meta = batch.attn_meta
-        if meta is None or meta.decode is None or meta.decode_tokens is not None or meta.decode.groups:
-            return None  # verify rows, or a shared prefix the cascade path reads once for all its rows
+        if meta is None or meta.decode is None or meta.extend_rows:
+            return None  # a prompt to prefill: one token per query row only (decode and verify rows, in token order)
+        if meta.decode.rows.numel() != x.shape[0]:
+            return None
+        if meta.decode.groups and batch.kv_pool.dtype != x.dtype:
+            return None  # the Python path converts a shared prefix of another dtype once per step
         return meta.decode
 
     def _build(self, rows: int):

@@ -41,7 +41,7 @@ def test_kernel_build_key_differs_between_torch_installations():
 def test_failed_kernel_build_falls_back_to_pytorch_with_one_warning(monkeypatch, caplog, tmp_path):
     calls = []
 
-    def broken(folder: Path):
+    def broken(folder: Path, sources: list[str]):
         calls.append(folder)
         raise RuntimeError("no compiler here")
 
