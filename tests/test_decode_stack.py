@@ -20,13 +20,13 @@ PROMPTS = ([5, 9, 14, 3, 22, 40, 7], [31, 8, 8, 60, 2])  # no shared first slot:
 def _decode_logits(model_path: str, stack: bool, prompts=PROMPTS, steps: int = 6, seen: list | None = None, **args) -> tuple[list[torch.Tensor], int]:
     """Every forward's logits while ``prompts`` decode ``steps`` greedy tokens, and how many
     forwards the stack ran (``seen`` gets (shared prefixes, stack ran, query tokens) per forward)."""
-    rt = build_parts(ServerArgs(model_path=model_path, max_total_tokens=512, **args))
+    rt = build_parts(ServerArgs(model_path=model_path, max_total_tokens=512, disable_decode_stack=not stack, **args))
     stacks = rt.runner.model.decode_stacks
     ran = [0]
     original = stacks.run
 
     def run(x, rope, batch):
-        out = original(x, rope, batch) if stack else None
+        out = original(x, rope, batch)
         ran[0] += out is not None
         if seen is not None and batch.attn_meta.decode is not None:
             seen.append((len(batch.attn_meta.decode.groups), out is not None, x.shape[0]))
@@ -48,7 +48,7 @@ def _decode_logits(model_path: str, stack: bool, prompts=PROMPTS, steps: int = 6
 def test_the_stack_gives_the_python_layers_logits_bit_for_bit(cpp_ext, tiny_model_dirs, arch, quantization):
     fused, ran = _decode_logits(tiny_model_dirs[arch], True, quantization=quantization)
     plain, ran_plain = _decode_logits(tiny_model_dirs[arch], False, quantization=quantization)
-    assert ran >= 5 and ran_plain == 0  # the decode steps went through the stack
+    assert ran >= 5 and ran_plain == 0  # the decode steps went through the stack; --disable-decode-stack kept them off it
     assert len(fused) == len(plain)
     for step, (a, b) in enumerate(zip(fused, plain)):
         assert torch.equal(a, b), f"forward {step}: the stack's logits differ by up to {(a - b).abs().max():.3g}"
@@ -122,3 +122,12 @@ def test_quantizing_a_model_drops_the_stacks_built_from_its_old_layers(cpp_ext, 
     stacks._stacks[1] = object()
     quantize_model(model, "int4")
     assert stacks._stacks == {}
+
+
+def test_disabling_the_stack_reaches_a_self_draft_model_too(cpp_ext, tiny_llama):
+    from radixlm.runtime.speculative.draft_model import DraftModelProposer
+
+    for disabled in (False, True):
+        rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512, disable_decode_stack=disabled))
+        proposer = DraftModelProposer(rt.args, rt.runner, rt.tokenizer, rt.kv)
+        assert rt.runner.model.decode_stacks.enabled is proposer.model.decode_stacks.enabled is (not disabled)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from radixlm.kernels.cpu_ext import cpu_kernels
-from radixlm.kernels.torch_decode import cpu_decode_splits
+from radixlm.kernels.torch_decode import DecodePlan, cpu_decode_splits
 from radixlm.runtime.models.attention_backend import TorchAttentionBackend
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class DecodeStacks:
         )  # fmt: skip
         return x, residual
 
-    def _decode_plan(self, x: torch.Tensor, batch: ForwardBatch):
+    def _decode_plan(self, x: torch.Tensor, batch: ForwardBatch) -> DecodePlan | None:
         """The batch's decode plan when the stack can run it, else None."""
         if not self.enabled or x.device.type != "cpu" or x.dtype != torch.float32 or self.model.group is not None:
             return None
@@ -98,15 +98,20 @@ class DecodeStacks:
         ext = cpu_kernels()
         if ext is None:
             return None
-        cfg = self.model.config
-        first = self.model.layers[0].self_attn
-        stack = ext.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, cfg.rms_norm_eps)
+        first = self.model.layers[0]
+        attn = first.self_attn
+        stack = ext.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = [stack_weight(m, rows) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(w is None for w in weights) or any(w[2] is not None for w in weights[1:]) or any(n.dtype != torch.float32 for n in norms):
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(w is None for w in weights) or any(w[2] is not None for w in weights[1:]):
+                return None  # a form the stack has no kernel for, or a bias it does not add (only q/k/v have one)
+            if any(n.weight.dtype != torch.float32 or n.eps != first.input_layernorm.eps for n in norms):
                 return None
             (qkv, qkv_n, qkv_bias), (o, o_n, _), (gate_up, gate_up_n, _), (down, down_n, _) = weights
-            stack.add_layer(norms[0].detach(), qkv.detach(), qkv_n, None if qkv_bias is None else qkv_bias.detach(), o.detach(), o_n, norms[1].detach(), gate_up.detach(), gate_up_n, down.detach(), down_n)
+            stack.add_layer(
+                norms[0].weight.detach(), qkv.detach(), qkv_n, None if qkv_bias is None else qkv_bias.detach(),
+                o.detach(), o_n, norms[1].weight.detach(), gate_up.detach(), gate_up_n, down.detach(), down_n,
+            )  # fmt: skip
         return stack
