@@ -32,6 +32,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peers import servers  # noqa: E402
+from report import machine  # noqa: E402
 from workloads import (  # noqa: E402
     EXTRACTION_SCHEMA,
     SYSTEM_PROMPT,
@@ -165,7 +166,7 @@ async def run_workload(server: servers.Launched, fn) -> dict:
 
 def report(results: dict, systems: list[servers.Launched], args: argparse.Namespace) -> str:
     names = [s.name for s in systems]
-    lines = ["# radixlm vs peers", "", f"Command: `{' '.join(sys.argv)}`  ", f"Date: {datetime.date.today()}; 2 cores; SmolLM2-135M-Instruct; temperature 0; {args.rounds} round(s); one system at a time (order alternating by round), each started cold; best round shown.", ""]
+    lines = ["# radixlm vs peers", "", f"Command: `{' '.join(sys.argv)}`  ", f"Date: {datetime.date.today()}; {machine()}; SmolLM2-135M-Instruct; temperature 0; {args.rounds} round(s); one system at a time (order alternating by round), each started cold; best round shown.", ""]
     lines += ["Systems:", *[f"- **{s.name}**: `{s.config}`" for s in systems], ""]
     head = "| workload | " + " | ".join(f"{n} tok/s | {n} TTFT p50 (s)" for n in names) + " | " + " | ".join(f"radixlm / {n}" for n in names if n != "radixlm") + " |"
     lines += [head, "|---|" + "---:|" * (2 * len(names) + len(names) - 1)]

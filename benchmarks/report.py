@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -20,3 +22,14 @@ def write(text: str, out: str | None) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text)
+
+
+def machine() -> str:
+    """The machine a figure came from: the CPU's model name, its logical CPUs, torch's CPU capability."""
+    import torch
+
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        name = platform.processor() or platform.machine()
+    return f"{os.cpu_count()} CPUs ({name}), torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
