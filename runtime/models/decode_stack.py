@@ -1,9 +1,9 @@
 """Decode steps of a Llama-family model on CPUs in one C++ call (``kernels/csrc/decode_stack.cpp``).
 
 A decode step at batch 1 spends more time launching ~15 PyTorch ops a layer from Python than
-in its matmuls. When a batch is decode rows only and nothing in it needs the Python path, the
-model hands every decoder layer to the C++ ``DecodeStack``, which runs the same kernels in the
-same order (so the outputs are the same to the bit) without going back to Python in between.
+in its matmuls. When nothing in a batch needs the Python path, the model hands every decoder
+layer to the C++ ``DecodeStack``, which runs the same kernels in the same order (so the outputs
+are the same to the bit) without going back to Python in between.
 
 The batches it takes are one query token per row: decode rows and speculative verify rows
 (each draft token a query of its own, as the attention backend plans them), with or without
@@ -86,7 +86,7 @@ class DecodeStacks:
             return None
         meta = batch.attn_meta
         if meta is None or meta.decode is None or meta.extend_rows:
-            return None  # a prompt to prefill: one token per query row only (decode and verify rows, in token order)
+            return None  # a prompt to prefill; what is left is one query a token, in token order
         if meta.decode.rows.numel() != x.shape[0]:
             return None
         if meta.decode.groups and batch.kv_pool.dtype != x.dtype:
