@@ -50,9 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     from radixlm.runtime.loader import default_model_path, load_model
     from radixlm.runtime.models import cpu_paths
 
-    # The engines first: once this (main) thread has run torch's parallel ops, an engine's loop
-    # thread decodes a batch of 1 about 2.7x slower on this 2-CPU VM (not understood yet; see
-    # the results file), so the micro-benchmark, which runs here, comes after them.
+    # The engines first: once this (main) thread has run torch's parallel ops it keeps an OpenMP
+    # team of its own, libgomp then counts more threads than CPUs and stops spinning between
+    # parallel regions, and an engine's loop thread decodes a batch of 1 about 2.7x slower (see
+    # the results file); so the micro-benchmark, which runs here, comes after them.
     speeds, reference = [], None
     for mode in (None, "int8", "int4", "int4_bf16", "auto"):
         (b1, _), (b8, outs) = decode_speed(mode, args.threads, 1, args.tokens), decode_speed(mode, args.threads, 8, args.tokens)
