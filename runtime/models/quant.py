@@ -1,11 +1,12 @@
-"""Weight-only int8 / int4 linear layers for CPUs (``--quantization``).
+"""Weight-only int8 / int4 linear layers (``--quantization``): all on CPUs, int8 on GPUs too.
 
 A decode step at small batch is bound by reading weights: int8 reads 4x and int4 8x fewer bytes
 than fp32. PyTorch's kernels (``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``)
 take bf16 activations; outputs are cast back to the model's dtype, and everything around the
 matmuls (norms, RoPE, attention, residuals) stays in that dtype.
 
-- int8: per-output-channel symmetric scales.
+- int8: per-output-channel symmetric scales. On a GPU the same layout is multiplied by our Triton
+  kernel (``radixlm.kernels.triton_int8_linear``), in the activations' dtype.
 - int4: groups of 32 input weights with a scale and a minimum (``w = q * scale + min``,
   ``q`` in 0..15, fp16 scale and minimum) — GGUF's Q4_1 blocks, so a Q4_1 model re-quantized here
   gets its original values back. Our C++ kernel multiplies them with activations quantized to 8
@@ -45,9 +46,15 @@ class Int8Linear(nn.Module):
         self.out_features = w.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantized matmul on bf16 activations; returns ``x``'s dtype."""
+        """Quantized matmul (CPU: PyTorch's kernel on bf16 activations; GPU: our Triton kernel on
+        ``x``'s dtype); returns ``x``'s dtype."""
         shape = x.shape
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.qweight, self.scales)
+        rows = x.reshape(-1, shape[-1])
+        if x.device.type != "cpu":
+            from radixlm.kernels.triton_int8_linear import int8_linear
+
+            return int8_linear(rows, self.qweight, self.scales, self.bias).reshape(*shape[:-1], self.out_features)
+        y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.scales)
         y = y.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -169,8 +176,14 @@ def quantize_model(model: nn.Module, mode: str, plan_fn: Callable[..., PathPlan]
     (``plan_fn``: where ``auto`` and ``int4_bf16`` get their measured plan)."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("weight-only quantization uses PyTorch's CPU kernels; it needs --device cpu")
+    device = next(model.parameters()).device
+    if device.type != "cpu" and mode != "int8":
+        raise ValueError(f"quantization {mode!r} runs on CPU kernels; on {device.type} only int8 is available (a Triton kernel)")
+    if device.type != "cpu":
+        from radixlm.kernels import triton_available
+
+        if not triton_available():
+            raise ValueError(f"quantization int8 on {device.type} needs the triton package (pip install 'radixlm[triton]')")
     if mode == "auto" and next(model.parameters()).dtype != torch.float32:
         raise ValueError("quantization auto chooses among fp32, bf16, int8 and int4 forms of fp32 weights; it needs --dtype float32")
     make: Callable[[nn.Linear], nn.Module]
