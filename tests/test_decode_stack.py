@@ -131,3 +131,32 @@ def test_disabling_the_stack_reaches_a_self_draft_model_too(cpp_ext, tiny_llama)
         rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512, disable_decode_stack=disabled))
         proposer = DraftModelProposer(rt.args, rt.runner, rt.tokenizer, rt.kv)
         assert rt.runner.model.decode_stacks.enabled is proposer.model.decode_stacks.enabled is (not disabled)
+
+
+def test_a_stack_that_raises_fails_only_the_request_it_computes(cpp_ext, tiny_llama):
+    # the engine splits a failing pass and re-runs the halves: the request whose row makes the
+    # stack raise fails alone (a 500 abort), the other finishes, and no KV slot leaks
+    rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512))
+    stacks = rt.runner.model.decode_stacks
+    original, calls = stacks.run, []
+    outs: dict[str, object] = {}
+
+    def run(x, rope, batch):
+        out = original(x, rope, batch)
+        if out is not None and bad.kv is not None and bad.kv.row in batch.req_rows.tolist():
+            calls.append(x.shape[0])
+            raise RuntimeError("stack fault")
+        return out
+
+    stacks.run = run
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    good = Req(rid="good", input_ids=list(PROMPTS[0]), params=params, sink=lambda out: outs.__setitem__("good", out))
+    bad = Req(rid="bad", input_ids=list(PROMPTS[1]), params=params, sink=lambda out: outs.__setitem__("bad", out))
+    for req in (good, bad):
+        rt.scheduler.add(req)
+    while rt.scheduler.waiting or rt.scheduler.running:
+        rt.scheduler.step()
+    assert calls and max(calls) == 2 and min(calls) == 1  # raised in the shared pass, then alone
+    assert outs["bad"].finished and outs["bad"].meta_info["finish_reason"]["status"] == 500
+    assert outs["good"].finished and outs["good"].meta_info["finish_reason"]["type"] == "length"
+    rt.scheduler.check_accounting()
