@@ -6,7 +6,11 @@
 3. The Triton kernels at real sizes against the PyTorch reference (max error), and their time
    against the device's copy bandwidth: decode attention reads each row's KV once, so bytes read
    over time says how close it runs to the memory bound.
-4. The few-shot workload end to end (SmolLM2, 64 prompts sharing a prefix, greedy), in tok/s.
+4. The Triton weight-only matmuls (int8, int4) at model sizes against bf16: error, and weight
+   bytes read per second against the copy bandwidth.
+5. Decode steps replayed from CUDA graphs against eager ones: the same greedy text, and tok/s at
+   batch 1, 8 and 32.
+6. The few-shot workload end to end (SmolLM2, 64 prompts sharing a prefix, greedy), in tok/s.
 
     python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.md]
 
@@ -31,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from workloads import few_shot_prompts  # noqa: E402
 
-TESTS = ["tests/test_parity.py", "tests/test_constrained_engine.py", "tests/test_lazy_mask.py", "tests/test_sampler.py", "tests/test_speculative_engine.py"]
+TESTS = ["tests/test_parity.py", "tests/test_constrained_engine.py", "tests/test_lazy_mask.py", "tests/test_sampler.py", "tests/test_speculative_engine.py", "tests/test_decode_graphs.py"]
 
 
 def timed(fn, device: torch.device, repeats: int = 20) -> float:
@@ -113,6 +117,68 @@ def kernel_section(device: torch.device, bandwidth: float, quick: bool) -> list[
     return rows
 
 
+def linear_section(device: torch.device, bandwidth: float, quick: bool) -> list[str]:
+    """The Triton weight-only matmuls (int8, int4) against bf16 F.linear: error and weight bytes read per second."""
+    if device.type != "cuda":
+        return ["(Triton matmuls run on CUDA only; `tests/test_triton_int8_linear.py` and `tests/test_triton_int4_linear.py` check them in the interpreter)"]
+    from radixlm.kernels.triton_int4_linear import int4_linear, pack_halves
+    from radixlm.kernels.triton_int8_linear import int8_linear
+    from radixlm.runtime.models.quant import q4_1_quantize
+
+    rows = ["| weight [N, K] | rows | form | max abs error vs its dequantized weight | µs | weight GB/s | of copy bandwidth |", "|---|---:|---|---:|---:|---:|---:|"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    for n, k in ((3072, 576), (576, 1536), (14336, 4096)):
+        w = torch.randn(n, k, device=device, generator=gen) * 0.05
+        wb = w.to(torch.bfloat16)
+        w8_scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).to(torch.bfloat16)
+        w8 = torch.round(w / w8_scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        codes, scale, minimum = q4_1_quantize(w)
+        halves = pack_halves(codes)
+        deq4 = (codes.float() * scale.float()[..., None] + minimum.float()[..., None]).reshape(n, k)
+        forms = {  # form: (call on x, the weight it multiplies, bytes of weight it reads)
+            "bf16": (functools.partial(torch.nn.functional.linear, weight=wb), wb.float(), wb.nbytes),
+            "int8": (functools.partial(int8_linear, qweight=w8, scales=w8_scale), w8.float() * w8_scale.float()[:, None], w8.nbytes + w8_scale.nbytes),
+            "int4": (functools.partial(int4_linear, halves=halves, scale=scale, minimum=minimum), deq4, halves.nbytes + scale.nbytes + minimum.nbytes),
+        }
+        for m in (1, 32):
+            x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+            for name, (fn, dense, nbytes) in forms.items():
+                error = (fn(x).float() - x.float() @ dense.T).abs().max().item()
+                seconds = timed(functools.partial(fn, x), device)
+                rows.append(f"| [{n}, {k}] | {m} | {name} | {error:.2e} | {seconds * 1e6:.1f} | {nbytes / seconds / 1e9:.0f} | {nbytes / seconds / (bandwidth / 2):.0%} |")
+    return rows
+
+
+def graph_section(device: torch.device, quick: bool) -> list[str]:
+    """Decode speed and greedy text with and without CUDA graphs of the decode step (SmolLM2, side by side)."""
+    if device.type != "cuda":
+        return ["(CUDA graphs are captured on CUDA only; `tests/test_decode_graphs.py` checks the runner with a recorded stand-in)"]
+    import radixlm
+
+    prompts = few_shot_prompts(32)
+    params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}
+    rows = ["| decode step | batch | output tok/s | ms per step | same text as eager |", "|---|---:|---:|---:|---|"]
+    texts: dict[int, list[str]] = {}
+    for graphs in (False, True):
+        with radixlm.Engine(device=str(device), disable_cuda_graph=not graphs) as engine:
+            for batch in (1, 8, 32):
+                engine.generate(prompts[:batch], {**params, "max_new_tokens": 4})  # warm: compiles, captures, caches the prompts
+                t = time.perf_counter()
+                outs = engine.generate(prompts[:batch], params)
+                seconds = time.perf_counter() - t
+                text = [o["text"] for o in outs]
+                same = "-" if not graphs else ("yes" if text == texts[batch] else "NO")
+                texts.setdefault(batch, text)
+                tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+                rows.append(f"| {'CUDA graph' if graphs else 'eager'} | {batch} | {tokens / seconds:.1f} | {seconds / params['max_new_tokens'] * 1e3:.2f} | {same} |")
+            if graphs:
+                stats = engine.runner.decode_graphs
+                rows.append(f"\nReplays {stats.replays}, buckets captured {stats.captured}, graphs {'on' if stats.enabled else 'OFF (a capture failed)'}.")
+    if any("| NO |" in row for row in rows):
+        rows.append("FAILED: the graphed decode steps gave other text than the eager ones")
+    return rows
+
+
 def end_to_end_section(device: torch.device, quick: bool) -> list[str]:
     """The few-shot workload through an engine on ``device``: output tok/s, cache hit rate."""
     import radixlm
@@ -143,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# GPU check ({datetime.date.today()})", "", f"Command: `benchmarks/gpu_check.py --device {args.device}`", "", "## Device", ""]
     described, bandwidth = device_section(device, quick)
     lines += described
-    for title, section in (("Tests on the device", lambda: tests_section(device, quick)), ("Triton decode attention", lambda: kernel_section(device, bandwidth, quick)), ("Few-shot workload", lambda: end_to_end_section(device, quick))):
+    for title, section in (("Tests on the device", lambda: tests_section(device, quick)), ("Triton decode attention", lambda: kernel_section(device, bandwidth, quick)), ("Triton weight-only matmuls", lambda: linear_section(device, bandwidth, quick)), ("CUDA graphs of the decode step", lambda: graph_section(device, quick)), ("Few-shot workload", lambda: end_to_end_section(device, quick))):
         lines += ["", f"## {title}", ""]
         try:
             lines += section()

@@ -16,6 +16,7 @@ import torch
 from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.kernels.kv_quant import resolve_kv_format
 from radixlm.radix_cache.pool import KVPool
+from radixlm.runtime.decode_graphs import DecodeGraphs
 from radixlm.runtime.distributed.batch_plan import send_batch
 from radixlm.runtime.distributed.driver import TensorParallelError, TPDriver
 from radixlm.runtime.distributed.group import TPGroup
@@ -102,8 +103,11 @@ class ModelRunner:
         kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
         self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.kv_format)
         self.max_total_tokens = pool_tokens or self._pool_size(self.kv_bytes_per_token)
-        self.kv_pool = KVPool(self.max_total_tokens, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, self.kv_format)
+        # one slot past the allocator's, owned by no request: the padded rows of captured decode steps write there
+        self.pad_write_slot = self.max_total_tokens
+        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, self.kv_format)
         self.attn_backend = select_attention_backend(args.attention_backend, self.device)
+        self.decode_graphs = self._decode_graphs()
         logger.info(
             "KV pool%s: %d tokens of %s KV, %d bytes each (%.1f MiB), attention backend %s",
             "" if shard is None else f" of tp rank {shard.rank}",
@@ -113,6 +117,13 @@ class ModelRunner:
             self.kv_pool.nbytes() / 2**20,
             type(self.attn_backend).__name__,
         )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode step, where they can run: one CUDA device, a backend that captures."""
+        if self.device.type != "cuda" or self.args.disable_cuda_graph or self.group is not None or not self.attn_backend.captures_decode:
+            return None
+        max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        return DecodeGraphs(self.model, self.kv_pool, self.attn_backend, self.pad_write_slot, max_bs, max_seq_len=self.context_len)
 
     @staticmethod
     def _build_cpu_kernels() -> None:
@@ -160,6 +171,10 @@ class ModelRunner:
             raise self.driver.error_from(exc) from exc
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(batch)
+            if logits is not None:
+                return logits
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)
         if batch.logits_indices.numel() == 0:

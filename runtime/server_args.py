@@ -41,7 +41,7 @@ class ServerArgs:
     schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first) or fcfs.", choices=["lpm", "fcfs"])
     disable_radix_cache: bool = _opt(False, "Do not share KV between requests (for ablations).")
     disable_cache_explain: bool = _opt(False, "Do not record who computed each cached prefix nor explain cache hits (for measuring its cost).")
-    quantization: str | None = _opt(None, "Weight-only quantization on CPU: int8, int4 (group 32, like GGUF Q4_1), int4_bf16 (int4 for small batches, a bf16 copy for large ones where this CPU measures bf16 faster), or auto (per batch size, the fastest of fp32, bf16, int8 and int4 as a start-up micro-benchmark measures, cached per machine); default: none (fp32).", choices=[None, "int8", "int4", "int4_bf16", "auto"])
+    quantization: str | None = _opt(None, "Weight-only quantization: int8, int4 (group 32, like GGUF Q4_1; these two on GPUs too, with Triton kernels), int4_bf16 (int4 for small batches, a bf16 copy for large ones where this CPU measures bf16 faster), or auto (per batch size, the fastest of fp32, bf16, int8 and int4 as a start-up micro-benchmark measures, cached per machine); default: none (fp32).", choices=[None, "int8", "int4", "int4_bf16", "auto"])
     attention_backend: str = _opt("auto", "auto, torch or triton.", choices=["auto", "torch", "triton"])
     num_threads: int | None = _opt(None, "Torch intra-op threads on CPU (per tensor-parallel rank); default: one per CPU, divided among the ranks.")
     tp_size: int = _opt(1, "Tensor parallelism: split the model over this many processes (ranks), each with its share of the heads, MLP and vocabulary and of the KV pool; gloo on CPU, NCCL on CUDA (one GPU per rank). See README.")
@@ -53,6 +53,8 @@ class ServerArgs:
     grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
     disable_jump_forward: bool = _opt(False, "Decode forced grammar text token by token instead of appending it at once.")
     disable_decode_stack: bool = _opt(False, "On CPUs, run decode steps through the Python layers instead of the C++ decoder stack (every layer of a step in one call; the same results); for comparisons.")
+    disable_cuda_graph: bool = _opt(False, "On CUDA, run every decode step eagerly instead of replaying a captured CUDA graph of the whole forward (one per batch-size bucket, captured on first use; the same results).")
+    cuda_graph_max_bs: int = _opt(32, "Largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, then every 8); larger batches run eagerly.")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: ngram (propose the continuation of the latest n-gram match in the request's own prompt and output, in its OpenAI prediction, and in recent outputs of all requests; no extra model) or draft (a smaller model proposes; see --speculative-draft-model-path). Each request speculates only while its measured acceptance pays and the running batch is small. Greedy output is unchanged; sampling keeps the model's distribution. Default: off (a request with an OpenAI prediction still speculates from it).", choices=[None, "ngram", "draft"])
     speculative_num_draft_tokens: int = _opt(4, "Most tokens proposed per request per step (1-16); each is one more position in the verifying pass.")
     speculative_draft_model_path: str | None = _opt(None, "With --speculative-algorithm draft: folder or .gguf of a smaller model with the same tokenizer; default: the target's own weights quantized (self-speculation).")
@@ -87,7 +89,7 @@ class ServerArgs:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid option."""
-        positive = ["page_size", "max_running_requests", "chunked_prefill_size"]
+        positive = ["page_size", "max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"]
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -14,7 +14,7 @@ else:
     pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
 from radixlm.kernels.triton_int8_linear import int8_linear  # noqa: E402
-from radixlm.runtime.models.quant import Int8Linear, quantize_model  # noqa: E402
+from radixlm.runtime.models.quant import Int4Linear, Int8Linear, quantize_model  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -47,10 +47,14 @@ def _tiny_model(device: str) -> nn.Module:
     return model
 
 
-def test_quantization_off_the_cpu_is_int8_only_and_names_the_mode():
+def test_quantization_off_the_cpu_is_int8_or_int4_on_triton_and_names_a_cpu_only_mode():
     # meta tensors stand in for a GPU's: quantize_model decides by the parameters' device
-    with pytest.raises(ValueError, match="quantization 'int4' runs on CPU kernels; on meta only int8"):
-        quantize_model(_tiny_model("meta"), "int4")
+    for mode in ("int4_bf16", "auto"):
+        with pytest.raises(ValueError, match=f"quantization '{mode}' runs on CPU kernels; on meta int8 and int4"):
+            quantize_model(_tiny_model("meta"), mode)
     model = _tiny_model("meta")
     quantize_model(model, "int8")
     assert isinstance(model[0], Int8Linear) and model[0].qweight.device.type == "meta"
+    model = _tiny_model("meta")
+    quantize_model(model, "int4")
+    assert isinstance(model[0], Int4Linear) and model[0].kernel == "triton" and model[0].halves.device.type == "meta"

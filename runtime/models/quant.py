@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 linear layers (``--quantization``): all on CPUs, int8 on GPUs too.
+"""Weight-only int8 / int4 linear layers (``--quantization``): all modes on CPUs, int8 and int4 on GPUs too.
 
 A decode step at small batch is bound by reading weights: int8 reads 4x and int4 8x fewer bytes
 than fp32. PyTorch's kernels (``aten._weight_int8pack_mm`` and ``aten._weight_int4pack_mm_for_cpu``)
@@ -11,7 +11,8 @@ matmuls (norms, RoPE, attention, residuals) stays in that dtype.
   ``q`` in 0..15, fp16 scale and minimum) — GGUF's Q4_1 blocks, so a Q4_1 model re-quantized here
   gets its original values back. Our C++ kernel multiplies them with activations quantized to 8
   bits per 32 (as llama.cpp does), or, where it did not build, PyTorch's int4 kernel with bf16
-  activations.
+  activations. On a GPU our Triton kernel (``radixlm.kernels.triton_int4_linear``) dequantizes
+  them in registers and multiplies in the activations' dtype.
 - int4_bf16: int4 for small batches, where reading the weights dominates, and a bf16 copy of the
   weights for large batches where bf16 math is faster than the int4 kernel's dequantization, as
   this machine measures (``cpu_paths``; on a CPU without fast bf16 the copy is never used nor kept).
@@ -101,31 +102,44 @@ class Int4Linear(nn.Module):
 
     ``kernel``: ``cpp``, our C++ kernel (``kernels/csrc/q4_matmul.h``: Q4_1 blocks times
     8-bit-quantized activations, integer dot products), which runs every row count the same way;
-    ``torch``, PyTorch's int4 kernel on bf16 activations; ``auto``, the C++ one where it built."""
+    ``torch``, PyTorch's int4 kernel on bf16 activations; ``triton``, our Triton kernel (GPUs);
+    ``auto``, Triton off the CPU, else the C++ one where it built."""
 
     def __init__(self, linear: nn.Linear, dense_from: int | None = None, kernel: str = "auto") -> None:
         super().__init__()
-        if kernel not in ("auto", "cpp", "torch"):
-            raise ValueError(f"kernel must be auto, cpp or torch, got {kernel!r}")
+        if kernel not in ("auto", "cpp", "torch", "triton"):
+            raise ValueError(f"kernel must be auto, cpp, torch or triton, got {kernel!r}")
         w = linear.weight.detach().float()
         n, k = w.shape
+        if kernel == "auto" and w.device.type != "cpu":
+            kernel = "triton"
+        if kernel == "triton" and dense_from is not None:
+            raise ValueError("the Triton int4 kernel has no bf16 copy for large batches (dense_from must be None)")
         self.dense_from = dense_from  # from this many rows on, a bf16 copy of the weights is used
         self.register_buffer("dense", w.to(torch.bfloat16) if dense_from is not None else None)
         codes, scale, minimum = q4_1_quantize(w)
-        ext = cpu_kernels() if kernel != "torch" and w.device.type == "cpu" else None
+        ext = cpu_kernels() if kernel in ("auto", "cpp") and w.device.type == "cpu" else None
         if kernel == "cpp" and ext is None:
             raise RuntimeError("the C++ CPU kernels are not available here (see the warning logged when they failed to build)")
         self.register_buffer("tiles", q4_1_tiles(codes, scale, minimum) if ext is not None else None)
         self.register_buffer("qweight", None)
         self.register_buffer("scales_zeros", None)
-        if ext is None:
+        for name in ("halves", "group_scale", "group_min"):  # the Triton kernel's layout
+            self.register_buffer(name, None)
+        if kernel == "triton":
+            from radixlm.kernels.triton_int4_linear import pack_halves
+
+            self.halves, self.group_scale, self.group_min = pack_halves(codes), scale, minimum
+        elif ext is None:
             self._pack_for_torch(codes, scale.float(), minimum.float())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.out_features = n
 
     @property
     def kernel(self) -> str:
-        """The kernel its calls run on: ``cpp`` or ``torch``."""
+        """The kernel its calls run on: ``cpp``, ``torch`` or ``triton``."""
+        if self.halves is not None:
+            return "triton"
         return "cpp" if self.tiles is not None else "torch"
 
     def _pack_for_torch(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
@@ -150,6 +164,10 @@ class Int4Linear(nn.Module):
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.dense).to(x.dtype)
             return y if self.bias is None else y + self.bias
         rows = x.reshape(-1, shape[-1])
+        if self.halves is not None:
+            from radixlm.kernels.triton_int4_linear import int4_linear
+
+            return int4_linear(rows, self.halves, self.group_scale, self.group_min, self.bias).reshape(*shape[:-1], self.out_features)
         if self.tiles is not None:
             y = cpu_kernels().q4_linear(rows.float(), self.tiles, self.out_features)
         else:
@@ -168,6 +186,8 @@ class Int4Linear(nn.Module):
         """Bytes of the packed weights (and scales) a call of few rows reads."""
         if self.tiles is not None:
             return self.tiles.nbytes
+        if self.halves is not None:
+            return self.halves.nbytes + self.group_scale.nbytes + self.group_min.nbytes
         return self.qweight.nbytes + self.scales_zeros.nbytes
 
 
@@ -177,13 +197,13 @@ def quantize_model(model: nn.Module, mode: str, plan_fn: Callable[..., PathPlan]
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {MODES}, got {mode!r}")
     device = next(model.parameters()).device
-    if device.type != "cpu" and mode != "int8":
-        raise ValueError(f"quantization {mode!r} runs on CPU kernels; on {device.type} only int8 is available (a Triton kernel)")
+    if device.type != "cpu" and mode not in ("int8", "int4"):
+        raise ValueError(f"quantization {mode!r} runs on CPU kernels; on {device.type} int8 and int4 are available (Triton kernels)")
     if device.type != "cpu":
         from radixlm.kernels import triton_available
 
         if not triton_available():
-            raise ValueError(f"quantization int8 on {device.type} needs the triton package (pip install 'radixlm[triton]')")
+            raise ValueError(f"quantization {mode} on {device.type} needs the triton package (pip install 'radixlm[triton]')")
     if mode == "auto" and next(model.parameters()).dtype != torch.float32:
         raise ValueError("quantization auto chooses among fp32, bf16, int8 and int4 forms of fp32 weights; it needs --dtype float32")
     make: Callable[[nn.Linear], nn.Module]

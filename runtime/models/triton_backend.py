@@ -64,6 +64,25 @@ class TritonAttentionBackend(AttentionBackend):
             max_extend_len=max(ext_lens, default=0),
         )
 
+    captures_decode = True
+
+    def static_decode_metadata(self, req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, num_kv_heads: int) -> _TritonMeta:
+        """Metadata of a decode-only batch over fixed ``req_rows`` (int64) and ``seq_lens`` (int32) tensors
+        (a CUDA graph's inputs); the split count is fixed for ``max_seq_len`` and right for any shorter row."""
+        n = req_rows.shape[0]
+        empty = torch.zeros(0, dtype=torch.int32, device=req_rows.device)
+        return _TritonMeta(
+            num_decode=n,
+            decode_rows=req_rows,
+            decode_seq_lens=seq_lens,
+            num_splits=num_kv_splits(n, num_kv_heads, max_seq_len, self.min_split_tokens, self.max_kv_splits),
+            extend_rows=req_rows[n:],
+            prefix_lens=empty,
+            extend_lens=empty,
+            q_starts=empty,
+            max_extend_len=0,
+        )
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """Write the new KV into the pool, then run the decode and extend kernels into one output."""
         pool, meta = batch.kv_pool, batch.attn_meta

@@ -18,10 +18,12 @@ def test_kernel_build_folder_depends_on_source_content_not_on_the_checkout_path(
     a = _copy_sources(tmp_path / "checkout_a" / "csrc")
     b = _copy_sources(tmp_path / "checkout_b" / "csrc")
     assert cpu_ext.build_folder(a, tmp_path) == cpu_ext.build_folder(b, tmp_path) == cpu_ext.build_folder(None, tmp_path)
-    header = next(p for p in b if p.suffix == ".h")  # headers count too: they are compiled in
-    text = header.read_text()
-    header.write_text(text.replace("float", "floaT", 1))  # same length, other content
-    assert cpu_ext.build_folder(a, tmp_path) != cpu_ext.build_folder(cpu_ext.source_files(header.parent), tmp_path)
+    for header in (p for p in b if p.suffix == ".h"):  # headers count too: they are compiled in
+        text = header.read_text()
+        i = next(i for i, c in enumerate(text) if c.isalpha())
+        header.write_text(text[:i] + text[i].swapcase() + text[i + 1 :])  # same length, other content
+        assert cpu_ext.build_folder(a, tmp_path) != cpu_ext.build_folder(cpu_ext.source_files(header.parent), tmp_path)
+        header.write_text(text)
 
 
 def test_kernel_build_key_changes_with_the_compiler_flags(tmp_path):
