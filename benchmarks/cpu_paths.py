@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import write  # noqa: E402
+from report import machine, write  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "A recipe for bread", "How rivers form", "The rules of chess", "Why the sky is blue", "A letter to a friend", "The life of bees", "How engines work"]
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         "# CPU matmul forms chosen from the machine",
         "",
         f"Command: `benchmarks/cpu_paths.py --threads {args.threads} --tokens {args.tokens}`; date {datetime.date.today()}; "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; "
+        f"{machine()}, mkldnn bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; "
         f"{args.threads} threads; torch {torch.__version__}; SmolLM2-135M-Instruct.",
         "",
         f"The micro-benchmark (`cpu_paths.measure`, what `--quantization auto` runs once per machine): ms for one forward "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import emit  # noqa: E402
+from report import emit, machine  # noqa: E402
 from weight_forms import weights_as  # noqa: E402
 
 from radixlm.runtime.engine import build_parts
@@ -113,7 +113,7 @@ def main() -> None:
             rows.append((label, nbytes, bw, bound, ms))
             del rt
     lines = [
-        f"Batch-1 decode against the memory-bandwidth bound ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}).",
+        f"Batch-1 decode against the memory-bandwidth bound ({torch.get_num_threads()} threads; {machine()}).",
         "",
         "| weights | MB read per token | read bandwidth (GB/s) | bound (ms/token) | measured (ms/token) | tok/s | % of bound |",
         "|---|---:|---:|---:|---:|---:|---:|",

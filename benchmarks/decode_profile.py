@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import emit  # noqa: E402
+from report import emit, machine  # noqa: E402
 from workloads import few_shot_prompts  # noqa: E402
 
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
@@ -131,7 +131,7 @@ def main() -> None:
             module.cpu_kernels = lambda: None
     rows = {b: profile(b, args.steps, args) for b in args.batch}
     keys = ["decoder stack", "matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]
-    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernels {'off' if args.no_cpp_kernel else 'on'}, decoder stack {'off' if args.no_decode_stack else 'on'}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+    label = f"dtype {args.dtype}, weights {args.quantization or 'unquantized'}, cascade {'off' if args.no_cascade else 'on'}, C++ kernels {'off' if args.no_cpp_kernel else 'on'}, decoder stack {'off' if args.no_decode_stack else 'on'}, {torch.get_num_threads()} threads, {machine()}"
     lines = [f"Decode step breakdown ({label}); ms per step (share of the step).", "", "| batch | step (ms) | output tok/s | " + " | ".join(keys) + " |", "|---:|---:|---:|" + "---:|" * len(keys)]
     for b, r in rows.items():
         cells = [f"{1e3 * r[k]:.1f} ({100 * r[k] / r['step']:.0f}%)" for k in keys]

@@ -32,4 +32,6 @@ def machine() -> str:
         name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
     except (OSError, StopIteration):
         name = platform.processor() or platform.machine()
-    return f"{os.cpu_count()} CPUs ({name}), torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    caps = [f"{var}={os.environ[var]}" for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "RADIXLM_CPU_MARCH") if os.environ.get(var)]
+    capped = f" (instruction sets capped: {', '.join(caps)})" if caps else ""
+    return f"{os.cpu_count()} CPUs ({name}), torch CPU capability {torch.backends.cpu.get_cpu_capability()}{capped}"

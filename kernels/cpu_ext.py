@@ -6,7 +6,8 @@ no request waits for the compiler.
 
 The build lands in the radixlm cache, in a folder named by a hash of what decides the binary:
 the sources' content, the compiler and its flags, the torch version and installation, the Python
-version and the CPU's features (it is compiled with -march=native). The sources are copied into that folder and built
+version and the CPU's features (it is compiled with -march=native, or the target named by
+``RADIXLM_CPU_MARCH``, e.g. ``haswell`` for AVX2 only). The sources are copied into that folder and built
 from there, so checkouts with the same sources share one build, and changed sources never load
 a stale one. When the build fails (no compiler, no headers...), one warning is logged and the
 callers use the PyTorch path.
@@ -19,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -48,6 +50,17 @@ def source_files(csrc: Path = CSRC) -> list[Path]:
     return sorted(p for p in csrc.iterdir() if p.is_file() and p.suffix in (".cpp", ".h", ".hpp"))
 
 
+def compile_flags() -> tuple[str, ...]:
+    """The compiler flags: ``CFLAGS`` with ``-march=$RADIXLM_CPU_MARCH`` when that is set (a build
+    for another or a smaller instruction set than this CPU's, e.g. ``haswell``: AVX2, no AVX-512)."""
+    march = os.environ.get("RADIXLM_CPU_MARCH", "").strip()
+    if not march:
+        return CFLAGS
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+        raise ValueError(f"RADIXLM_CPU_MARCH must name a -march target such as haswell or native, got {march!r}")
+    return tuple(f"-march={march}" if f.startswith("-march=") else f for f in CFLAGS)
+
+
 def _cpu_features() -> str:
     try:
         return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -55,13 +68,15 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def build_key(files: list[Path], cflags: tuple[str, ...] = CFLAGS, ldflags: tuple[str, ...] = LDFLAGS, torch_dir: str | None = None) -> str:
-    """A hash of everything that decides the compiled binary; source paths do not count, contents do.
+def build_key(files: list[Path], cflags: tuple[str, ...] | None = None, ldflags: tuple[str, ...] = LDFLAGS, torch_dir: str | None = None) -> str:
+    """A hash of everything that decides the compiled binary (``cflags`` default: ``compile_flags()``);
+    source paths do not count, contents do.
 
     The torch installation's folder counts: torch's builder writes its header paths into the
     build file, so two virtualenvs sharing one folder would rebuild it for each other in turn.
     """
     torch_dir = torch_dir if torch_dir is not None else os.path.dirname(os.path.realpath(torch.__file__))
+    cflags = compile_flags() if cflags is None else cflags
     h = hashlib.sha256()
     for part in (torch.__version__, torch_dir, sys.version.split()[0], platform.machine(), _cpu_features(), os.environ.get("CXX", "c++"), *cflags, "|", *ldflags):
         h.update(part.encode() + b"\0")
@@ -126,7 +141,7 @@ def _compile(folder: Path, sources: list[str]) -> ModuleType:
         return cpp_extension.load(
             name="radixlm_cpu_kernels",
             sources=[str(folder / "src" / name) for name in sources],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(compile_flags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             verbose=False,

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from radixlm.runtime.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from radixlm.radix_cache.pool import KVPool
+    from radixlm.runtime.models.attention_backend import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +79,6 @@ def graph_buckets(max_bs: int) -> list[int]:
     return [*sizes, max_bs]
 
 
-@dataclass
-class _Bucket:
-    size: int
-    graph: StepGraph
-
-
 class DecodeGraphs:
     """Captured decode steps for batch-size buckets up to ``max_bs``; ``run`` replays the smallest that fits.
 
@@ -91,8 +88,8 @@ class DecodeGraphs:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_pool,
-        attn_backend,
+        kv_pool: KVPool,
+        attn_backend: AttentionBackend,
         pad_write_slot: int,
         max_bs: int,
         make_graph: Callable[[], StepGraph] | None = None,
@@ -117,7 +114,7 @@ class DecodeGraphs:
         self.req_rows = torch.zeros(n, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, model.config.vocab_size, dtype=torch.float32, device=device)
-        self._captured: dict[int, _Bucket] = {}
+        self._captured: dict[int, StepGraph] = {}  # bucket size -> its recorded step
         self._table: torch.Tensor | None = None  # the slot table the graphs were captured with
 
     @property
@@ -140,10 +137,10 @@ class DecodeGraphs:
             return None
         n = batch.batch_size
         size = next(s for s in self.buckets if s >= n)
-        bucket = self._captured.get(size)
-        if bucket is None:
-            bucket = self._capture(size, batch.req_to_token)
-            if bucket is None:
+        graph = self._captured.get(size)
+        if graph is None:
+            graph = self._capture(size, batch.req_to_token)
+            if graph is None:
                 return None
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
@@ -151,7 +148,7 @@ class DecodeGraphs:
         self.req_rows[:n].copy_(batch.req_rows)
         if n < size:
             self._pad(n, size)
-        bucket.graph.replay()
+        graph.replay()
         self.replays += 1
         return self.logits[:n].index_select(0, batch.logits_indices)
 
@@ -162,7 +159,7 @@ class DecodeGraphs:
         self.out_slots[start:stop].fill_(self.pad_write_slot)
         self.req_rows[start:stop].zero_()
 
-    def _capture(self, size: int, table: torch.Tensor) -> _Bucket | None:
+    def _capture(self, size: int, table: torch.Tensor) -> StepGraph | None:
         """Record the step for ``size`` rows (all padding while it is recorded); None, and graphs off, if that fails."""
         self._pad(0, size)
         step = self._step(size, table)
@@ -175,9 +172,9 @@ class DecodeGraphs:
             self._pad(0, size)  # whatever the failed attempt left in the static rows
             return None
         self._table = table
-        bucket = self._captured[size] = _Bucket(size, graph)
+        self._captured[size] = graph
         logger.info("captured the decode step for batches of up to %d rows", size)
-        return bucket
+        return graph
 
     def _step(self, size: int, table: torch.Tensor) -> Callable[[], None]:
         """The forward that a graph of ``size`` rows records: static inputs in, static logits out."""

@@ -186,7 +186,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_steps_run_eagerly(tiny_llama,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="real CUDA graphs need a CUDA device (benchmarks/gpu_check.py runs this)")
 def test_cuda_graphs_give_the_eager_greedy_tokens_on_cuda(tiny_llama):
     def cuda_parts(disable: bool):
-        return build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512, device="cuda", disable_cuda_graph=disable, cuda_graph_max_bs=8))
+        return build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512, device="cuda", dtype="float32", disable_cuda_graph=disable, cuda_graph_max_bs=8))
 
     eager = _generate(cuda_parts(True))
     rt = cuda_parts(False)

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import platform
 import statistics
 import time
@@ -167,8 +168,8 @@ def measure(shapes: Shapes, forms: tuple[str, ...] = FORMS, rows: tuple[int, ...
 
 
 def machine_key(shapes: Shapes, threads: int) -> str:
-    """What the timings depend on: the CPU, torch, the thread count, the shapes and our C++
-    kernels' sources (the int4 form runs one of them)."""
+    """What the timings depend on: the CPU, torch (and the instruction set it and oneDNN are
+    capped at), the thread count, the shapes and our C++ kernels' build (the int4 form runs one)."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -178,7 +179,8 @@ def machine_key(shapes: Shapes, threads: int) -> str:
     except OSError:
         pass
     kernels = build_key(source_files())
-    parts = [cpu, torch.backends.cpu.get_cpu_capability(), torch.__version__, str(threads), json.dumps(sorted(shapes.items())), kernels]
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "")  # bf16 matmuls run on oneDNN, which this caps
+    parts = [cpu, torch.backends.cpu.get_cpu_capability(), onednn, torch.__version__, str(threads), json.dumps(sorted(shapes.items())), kernels]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -6,6 +6,8 @@ import logging
 import shutil
 from pathlib import Path
 
+import pytest
+
 from radixlm.kernels import cpu_ext
 
 
@@ -30,6 +32,19 @@ def test_kernel_build_key_changes_with_the_compiler_flags(tmp_path):
     files = cpu_ext.source_files()
     assert cpu_ext.build_key(files) != cpu_ext.build_key(files, cflags=(*cpu_ext.CFLAGS, "-DNDEBUG"))
     assert cpu_ext.build_key(files) != cpu_ext.build_key(files, ldflags=())
+
+
+def test_radixlm_cpu_march_builds_for_the_named_target_in_its_own_folder(monkeypatch):
+    files = cpu_ext.source_files()
+    native = cpu_ext.build_key(files)
+    monkeypatch.setenv("RADIXLM_CPU_MARCH", "haswell")  # AVX2 only, on a CPU with AVX-512
+    assert "-march=haswell" in cpu_ext.compile_flags() and "-march=native" not in cpu_ext.compile_flags()
+    assert cpu_ext.build_key(files) != native
+    monkeypatch.setenv("RADIXLM_CPU_MARCH", "haswell -o /etc/passwd")
+    with pytest.raises(ValueError, match="RADIXLM_CPU_MARCH"):
+        cpu_ext.compile_flags()
+    monkeypatch.delenv("RADIXLM_CPU_MARCH")
+    assert cpu_ext.compile_flags() == cpu_ext.CFLAGS and cpu_ext.build_key(files) == native
 
 
 def test_kernel_build_key_differs_between_torch_installations():
