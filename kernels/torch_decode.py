@@ -25,7 +25,7 @@ from radixlm.kernels.kv_quant import PoolLayer
 from radixlm.radix_cache.pool import PAD_SLOT
 
 MIN_SHARED_PREFIX = 32  # shorter common prefixes are not worth a separate pass
-MIN_SPLIT_TOKENS = 128  # C++ decode: a row is cut into chunks of at least this many positions
+MIN_SPLIT_TOKENS = 64  # C++ decode: a row is cut into chunks of at least this many positions
 
 
 @dataclass
@@ -78,7 +78,7 @@ class DecodePlan:
 
 
 def cpu_decode_splits(tasks: int, longest: int, threads: int, min_tokens: int = MIN_SPLIT_TOKENS) -> int:
-    """Chunks per row for the C++ decode: enough (row, KV head, chunk) tasks to keep ``threads``
+    """Chunks per row for the C++ decode: enough (row, chunk) tasks to keep ``threads``
     busy (4 a thread, so uneven ones even out), none of fewer than ``min_tokens`` positions."""
     if threads <= 1 or tasks >= 4 * threads:
         return 1
@@ -177,7 +177,7 @@ def decode_attention(
             init_lse = torch.full((bd, num_kv, group, 1), float("-inf"), device=q.device)
             for rows, o2, lse2 in parts:
                 init_out[rows], init_lse[rows] = o2.float(), lse2
-        splits = cpu_decode_splits(bd * num_kv, plan.longest_suffix, torch.get_num_threads())
+        splits = cpu_decode_splits(bd, plan.longest_suffix, torch.get_num_threads())
         out, _ = ext.paged_decode(
             q, k_pool, v_pool, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, scale, init_out, init_lse, k_scale, v_scale, splits
         )

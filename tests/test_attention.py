@@ -78,6 +78,21 @@ def test_extend_rows_with_and_without_prefix_match_the_reference():
     torch.testing.assert_close(out[4:], ref_b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 24), (8, 1, 48)])  # 24: not whole value chunks of 16
+def test_cpp_paged_decode_matches_the_reference_at_other_head_shapes(heads, kv_heads, dim, cpp_ext):
+    gen = torch.Generator().manual_seed(dim)
+    k, v = torch.randn(300, kv_heads, dim, generator=gen), torch.randn(300, kv_heads, dim, generator=gen)
+    rows = [list(range(299, 100, -3)), list(range(40, 45))]
+    table = _table(rows)
+    q = torch.randn(2, heads, dim, generator=gen)
+    lens = torch.tensor([len(r) for r in rows])
+    for splits in (1, 4):
+        out, _ = cpp_ext.paged_decode(q, k, v, table, torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int64), lens, dim**-0.5, splits=splits)
+        for i, r in enumerate(rows):
+            ref = reference_attention(q[i : i + 1], k, v, torch.tensor(r), len(r) - 1)
+            torch.testing.assert_close(out[i : i + 1], ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8], ids=lambda s: f"{s}-chunks")  # rows of 1-71 positions: some chunks empty
 @pytest.mark.parametrize("q_scale", [1.0, 60.0], ids=["plain", "peaked"])  # peaked: score gaps far below exp's range
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -115,11 +130,11 @@ def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale, splits, c
 def test_cpu_decode_splits_fill_the_threads_without_short_chunks():
     from radixlm.kernels.torch_decode import cpu_decode_splits
 
-    assert cpu_decode_splits(tasks=3, longest=450, threads=2) == 3, "batch 1 x 3 KV heads on 2 threads"
-    assert cpu_decode_splits(tasks=3, longest=100, threads=2) == 1, "chunks would be under 128 positions"
-    assert cpu_decode_splits(tasks=24, longest=4000, threads=2) == 1, "enough tasks already"
-    assert cpu_decode_splits(tasks=3, longest=4000, threads=1) == 1
-    assert cpu_decode_splits(tasks=1, longest=4000, threads=16) == 31, "64 wanted, 31 chunks of 128 positions at most"
+    assert cpu_decode_splits(tasks=1, longest=450, threads=2) == 7, "batch 1 on 2 threads: 8 wanted, 7 chunks of 64 positions at most"
+    assert cpu_decode_splits(tasks=1, longest=100, threads=2) == 1, "chunks would be under 64 positions"
+    assert cpu_decode_splits(tasks=8, longest=4000, threads=2) == 1, "enough tasks already"
+    assert cpu_decode_splits(tasks=1, longest=4000, threads=1) == 1
+    assert cpu_decode_splits(tasks=1, longest=4000, threads=16) == 62, "64 wanted, 62 chunks of 64 positions at most"
 
 
 @pytest.mark.parametrize("cpp_kernel", [True, False], ids=["cpp", "torch-fallback"])

@@ -28,6 +28,7 @@
 namespace {
 
 constexpr int BLOCK = 32;
+constexpr int VCHUNK = 16;  // output lanes a value pass keeps in registers
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
@@ -70,14 +71,14 @@ inline float scale_at(const c10::Half* scales, int64_t slot, int64_t kv_heads, i
 }
 
 
-// Ask the cache for the key and value rows of head h at slots[begin:end].
+// Ask the cache for the key and value rows (every KV head: one contiguous run per slot) at slots[begin:end].
 template <typename T>
 inline void prefetch_rows(const T* k_pool, const T* v_pool, const int64_t* slots, int64_t begin, int64_t end,
-                          int64_t kv_heads, int64_t h, int64_t dim) {
+                          int64_t row_elems) {
   for (int64_t j = begin; j < end; ++j) {
-    const char* kp = reinterpret_cast<const char*>(k_pool + (slots[j] * kv_heads + h) * dim);
-    const char* vp = reinterpret_cast<const char*>(v_pool + (slots[j] * kv_heads + h) * dim);
-    for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) {
+    const char* kp = reinterpret_cast<const char*>(k_pool + slots[j] * row_elems);
+    const char* vp = reinterpret_cast<const char*>(v_pool + slots[j] * row_elems);
+    for (int64_t off = 0; off < row_elems * static_cast<int64_t>(sizeof(T)); off += 64) {
       __builtin_prefetch(kp + off);
       __builtin_prefetch(vp + off);
     }
@@ -95,96 +96,116 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
   // with one chunk the task writes the result itself.
   float* o_base = splits == 1 ? out : part_out;
   float* l_base = splits == 1 ? lse : part_lse;
-  at::parallel_for(0, rows * kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), scores(group * BLOCK), m(group), l(group), rowf(dim);  // rowf: one key or value row in fp32
-    std::vector<float> kt(dim * BLOCK, 0.0f);  // lanes past a short last block stay finite
+  // One task per (row, chunk) walks every KV head of each block of slots in turn, so it reads
+  // each slot's keys and values whole (one contiguous run per slot) rather than one head's slice
+  // of it per task: the reads stay sequential where the slots are, which the hardware prefetches.
+  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(heads * dim), acc(heads * dim), scores(group * BLOCK), m(heads), l(heads), rowf(dim);  // rowf: one key or value row in fp32
+    std::vector<float> vscale(BLOCK);  // the block's value scales (1 for an unscaled pool)
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / (kv_heads * splits), h = (task / splits) % kv_heads, c = task % splits;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* src = q + (r * heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = src[d] * scale;
+      const int64_t r = task / splits, c = task % splits;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float* src = q + (r * heads + hh) * dim;
+        for (int64_t d = 0; d < dim; ++d) qf[hh * dim + d] = src[d] * scale;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
       if (init_out != nullptr && c == 0) {  // continue from an earlier part (a shared prefix): its output and lse
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t head = r * heads + h * group + g;
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          const int64_t head = r * heads + hh;
           if (std::isinf(init_lse[head])) continue;  // no earlier part for this row
-          m[g] = init_lse[head];
-          l[g] = 1.0f;  // the output is normalized: its weights sum to exp(lse - m) = 1
-          std::copy(init_out + head * dim, init_out + (head + 1) * dim, acc.begin() + g * dim);
+          m[hh] = init_lse[head];
+          l[hh] = 1.0f;  // the output is normalized: its weights sum to exp(lse - m) = 1
+          std::copy(init_out + head * dim, init_out + (head + 1) * dim, acc.begin() + hh * dim);
         }
       }
       const int64_t chunk = (lens[r] + splits * BLOCK - 1) / (splits * BLOCK) * BLOCK;  // whole blocks
       const int64_t first = std::min<int64_t>(c * chunk, lens[r]);
       const int64_t* slots = table + table_rows[r] * table_stride + starts[r] + first;
       const int64_t n = std::min<int64_t>(chunk, lens[r] - first);
-      prefetch_rows(k_pool, v_pool, slots, 0, std::min<int64_t>(n, BLOCK), kv_heads, h, dim);
+      prefetch_rows(k_pool, v_pool, slots, 0, std::min<int64_t>(n, BLOCK), kv_heads * dim);
       for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
         const int64_t nb = std::min<int64_t>(BLOCK, n - j0);
-        // Slots are scattered in the pool, so the hardware prefetcher cannot see ahead: ask for
-        // the next block's key and value rows now, while this block computes.
-        prefetch_rows(k_pool, v_pool, slots, j0 + BLOCK, std::min<int64_t>(n, j0 + 2 * BLOCK), kv_heads, h, dim);
-        for (int64_t j = 0; j < nb; ++j) {  // the block's keys, transposed and scaled: kt[d][j]
-          const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
-          const float ks = scale_at(k_scale, slots[j0 + j], kv_heads, h);
-          for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(kr[d]) * ks;
-          for (int64_t d = 0; d < dim; ++d) kt[d * BLOCK + j] = rowf[d];
-        }
-        for (int64_t g = 0; g < group; ++g) {  // scores along the keys: no horizontal sums
-          const float* qg = qf.data() + g * dim;
-          float* sg = scores.data() + g * BLOCK;
-          std::fill(sg, sg + BLOCK, 0.0f);
-          for (int64_t d = 0; d < dim; ++d) {
-            const float qd = qg[d];
-            const float* kd = kt.data() + d * BLOCK;
-#pragma omp simd
-            for (int64_t j = 0; j < BLOCK; ++j) sg[j] += qd * kd[j];
+        // Slots may be scattered in the pool, where the hardware prefetcher cannot see ahead: ask
+        // for the next block's key and value rows now, while this block computes.
+        prefetch_rows(k_pool, v_pool, slots, j0 + BLOCK, std::min<int64_t>(n, j0 + 2 * BLOCK), kv_heads * dim);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t j = 0; j < nb; ++j) {  // one key row at a time, converted once for the whole group
+            const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
+            const float ks = scale_at(k_scale, slots[j0 + j], kv_heads, h);
+            for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(kr[d]);
+            for (int64_t g = 0; g < group; ++g) {
+              const float* qg = qf.data() + (h * group + g) * dim;
+              float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < dim; ++d) dot += qg[d] * rowf[d];
+              scores[g * BLOCK + j] = dot * ks;
+            }
           }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * BLOCK;
-          float block_max = sg[0];
-          for (int64_t j = 1; j < nb; ++j) block_max = std::max(block_max, sg[j]);
-          const float new_m = std::max(m[g], block_max);
-          const float correction = std::exp(m[g] - new_m);
-          float* ag = acc.data() + g * dim;
-          if (correction != 1.0f) {
-            for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
-          }
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < nb; ++j) {
-            sg[j] = radixlm::exp_nonpositive(sg[j] - new_m);
-            sum += sg[j];
-          }
-          l[g] = l[g] * correction + sum;
-          m[g] = new_m;
-        }
-        for (int64_t j = 0; j < nb; ++j) {  // each value row converted once for the whole group
-          const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
-          const float vs = scale_at(v_scale, slots[j0 + j], kv_heads, h);
-          for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(vr[d]);
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * BLOCK + j] * vs;
-            float* ag = acc.data() + g * dim;
+            const int64_t hg = h * group + g;
+            float* sg = scores.data() + g * BLOCK;
+            float block_max = sg[0];
+            for (int64_t j = 1; j < nb; ++j) block_max = std::max(block_max, sg[j]);
+            const float new_m = std::max(m[hg], block_max);
+            const float correction = std::exp(m[hg] - new_m);
+            float* ag = acc.data() + hg * dim;
+            if (correction != 1.0f) {
+              for (int64_t d = 0; d < dim; ++d) ag[d] *= correction;
+            }
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < nb; ++j) {
+              sg[j] = radixlm::exp_nonpositive(sg[j] - new_m);
+              sum += sg[j];
+            }
+            l[hg] = l[hg] * correction + sum;
+            m[hg] = new_m;
+          }
+          for (int64_t j = 0; j < nb; ++j) vscale[j] = scale_at(v_scale, slots[j0 + j], kv_heads, h);
+          if (dim % VCHUNK == 0) {
+            // VCHUNK output lanes of one head at a time, kept in registers over the block's values
+            for (int64_t d0 = 0; d0 < dim; d0 += VCHUNK) {
+              for (int64_t g = 0; g < group; ++g) {
+                float* ag = acc.data() + (h * group + g) * dim + d0;
+                const float* pg = scores.data() + g * BLOCK;
+                float a[VCHUNK];
+                for (int d = 0; d < VCHUNK; ++d) a[d] = ag[d];
+                for (int64_t j = 0; j < nb; ++j) {
+                  const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim + d0;
+                  const float p = pg[j] * vscale[j];
 #pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) ag[d] += p * rowf[d];
+                  for (int d = 0; d < VCHUNK; ++d) a[d] += p * to_float(vr[d]);
+                }
+                for (int d = 0; d < VCHUNK; ++d) ag[d] = a[d];
+              }
+            }
+          } else {
+            for (int64_t j = 0; j < nb; ++j) {  // each value row converted once for the whole group
+              const T* vr = v_pool + (slots[j0 + j] * kv_heads + h) * dim;
+              for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(vr[d]);
+              for (int64_t g = 0; g < group; ++g) {
+                const float p = scores[g * BLOCK + j] * vscale[j];
+                float* ag = acc.data() + (h * group + g) * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) ag[d] += p * rowf[d];
+              }
+            }
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g, at = (r * splits + c) * heads + head;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const int64_t at = (r * splits + c) * heads + hh;
         float* dst = o_base + at * dim;
-        if (l[g] == 0.0f) {  // nothing to attend to: an empty part, which a merge weighs as zero
+        if (l[hh] == 0.0f) {  // nothing to attend to: an empty part, which a merge weighs as zero
           std::fill(dst, dst + dim, 0.0f);
           l_base[at] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const float inv = 1.0f / l[g];
-        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[g * dim + d] * inv;
-        l_base[at] = m[g] + std::log(l[g]);
+        const float inv = 1.0f / l[hh];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = acc[hh * dim + d] * inv;
+        l_base[at] = m[hh] + std::log(l[hh]);
       }
     }
   });

@@ -69,7 +69,7 @@ class DecodeStacks:
             return None
         pool = batch.kv_pool
         cos, sin = rope
-        splits = cpu_decode_splits(rows * pool.num_kv_heads, plan.longest_suffix, torch.get_num_threads())
+        splits = cpu_decode_splits(rows, plan.longest_suffix, torch.get_num_threads())
         groups = plan.groups
         x, residual = stack.forward(
             x, cos.reshape(rows, -1), sin.reshape(rows, -1), pool.k, pool.v, pool.k_scale, pool.v_scale,
