@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int BLOCK = 32;
+constexpr int BLOCK = 16;  // keys per softmax step; the next block's rows are prefetched meanwhile
 constexpr int VCHUNK = 16;  // output lanes a value pass keeps in registers
 
 template <typename T>
