@@ -1,11 +1,13 @@
 // Paged decode attention for CPUs: each query row attends to a range of its slot-table row,
 // reading keys and values straight from the KV pool (no gather into a temporary copy).
 //
-// Grid: one task per (row, KV head, chunk), spread over the intra-op threads. A row's range is
-// cut into `splits` chunks (whole blocks) so that a small batch still keeps every thread busy; a
-// task loads the row's G query heads of that KV head, walks its chunk's slots in blocks of BLOCK
-// keys (scores for the block, then one online-softmax rescale per block), and writes the
-// normalized output and log-sum-exp of the chunk; the chunks are then merged by their lse. The
+// Grid: one task per (row, chunk), spread over the intra-op threads. A row's range is cut into
+// `splits` chunks (whole blocks) so that a small batch still keeps every thread busy; a task
+// loads the row's query heads, walks its chunk's slots in blocks of BLOCK keys and, for each KV
+// head in turn, computes the block's scores (one dot product per key and query head), rescales
+// its online softmax once and adds the block's values (16 output lanes at a time, kept in
+// registers); it writes the normalized output and log-sum-exp of the chunk, and the chunks are
+// then merged by their lse. The
 // result's lse lets the caller merge with a shared-prefix part too (cascade attention).
 //
 // The pool may hold fp32, bf16, fp16, int8 or fp8 (e4m3fn / e5m2) values; 8-bit pools come with
