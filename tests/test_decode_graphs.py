@@ -193,3 +193,34 @@ def test_cuda_graphs_give_the_eager_greedy_tokens_on_cuda(tiny_llama):
     assert rt.runner.decode_graphs is not None
     assert _generate(rt) == eager
     assert rt.runner.decode_graphs.enabled and rt.runner.decode_graphs.replays >= 8
+
+
+def test_a_replay_that_raises_fails_only_the_request_it_computes(tiny_llama):
+    # a replayed step that raises is a failed forward: the engine splits the pass and re-runs the
+    # halves, the request whose row makes it raise fails alone (a 500 abort), the other finishes
+    # on graphs, and no KV slot leaks
+    rt = _parts(tiny_llama, None)
+    runner = rt.runner
+    rows_now: list[list[int]] = []
+
+    class RaisingReplay(RecordedStep):
+        def replay(self) -> None:
+            if bad.kv is not None and bad.kv.row in rows_now[-1]:
+                raise RuntimeError("replay fault")
+            super().replay()
+
+    graphs = runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.attn_backend, runner.pad_write_slot, 8, make_graph=RaisingReplay, max_seq_len=runner.context_len)
+    original = graphs.run
+    graphs.run = lambda batch: (rows_now.append(batch.req_rows.tolist()), original(batch))[1]
+    outs: dict[str, object] = {}
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    good = Req(rid="good", input_ids=list(PROMPTS[0]), params=params, sink=lambda out: outs.__setitem__("good", out))
+    bad = Req(rid="bad", input_ids=list(PROMPTS[1]), params=params, sink=lambda out: outs.__setitem__("bad", out))
+    for req in (good, bad):
+        rt.scheduler.add(req)
+    while rt.scheduler.waiting or rt.scheduler.running:
+        rt.scheduler.step()
+    assert outs["bad"].finished and outs["bad"].meta_info["finish_reason"]["status"] == 500
+    assert outs["good"].finished and outs["good"].meta_info["finish_reason"]["type"] == "length"
+    assert graphs.enabled and graphs.replays >= 4  # the good request kept replaying its steps
+    rt.scheduler.check_accounting()
