@@ -32,7 +32,7 @@ from radixlm.runtime.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from radixlm.radix_cache.pool import KVPool
-    from radixlm.runtime.models.attention_backend import AttentionBackend
+    from radixlm.runtime.models.triton_backend import TritonAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         kv_pool: KVPool,
-        attn_backend: AttentionBackend,
+        attn_backend: TritonAttentionBackend,  # any backend with captures_decode
         pad_write_slot: int,
         max_bs: int,
         make_graph: Callable[[], StepGraph] | None = None,

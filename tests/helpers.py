@@ -331,6 +331,30 @@ def wait_until(condition: Callable[[], object], timeout: float = 20.0, what: str
         time.sleep(0.01)
 
 
+def good_and_bad_requests(good_ids: list[int], bad_ids: list[int]) -> tuple[list, dict]:
+    """Two greedy requests of 6 tokens, rids "good" and "bad" (a test makes the bad one's row
+    fail), and the dict their latest outputs land in, by rid."""
+    from radixlm.runtime.request import Req
+    from radixlm.runtime.sampling_params import SamplingParams
+
+    outs: dict = {}
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    reqs = [Req(rid=rid, input_ids=list(ids), params=params, sink=lambda out, rid=rid: outs.__setitem__(rid, out)) for rid, ids in (("good", good_ids), ("bad", bad_ids))]
+    return reqs, outs
+
+
+def run_and_check_only_bad_failed(scheduler, reqs: list, outs: dict) -> None:
+    """Run ``reqs`` on a manual scheduler to the end; only "bad" failed (a 500 abort), "good" ran
+    to its length, and every KV slot is accounted for."""
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.waiting or scheduler.running:
+        scheduler.step()
+    assert outs["bad"].finished and outs["bad"].meta_info["finish_reason"]["status"] == 500
+    assert outs["good"].finished and outs["good"].meta_info["finish_reason"]["type"] == "length"
+    scheduler.check_accounting()
+
+
 class ServerThread:
     """An ASGI app served by uvicorn in a background thread on a loopback port."""
 

@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 
+from helpers import good_and_bad_requests, run_and_check_only_bad_failed
 from radixlm.runtime.decode_graphs import DecodeGraphs, graph_buckets
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.request import Req
@@ -202,6 +203,8 @@ def test_a_replay_that_raises_fails_only_the_request_it_computes(tiny_llama):
     rt = _parts(tiny_llama, None)
     runner = rt.runner
     rows_now: list[list[int]] = []
+    reqs, outs = good_and_bad_requests(PROMPTS[0], PROMPTS[1])
+    bad = reqs[1]
 
     class RaisingReplay(RecordedStep):
         def replay(self) -> None:
@@ -212,15 +215,5 @@ def test_a_replay_that_raises_fails_only_the_request_it_computes(tiny_llama):
     graphs = runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_pool, runner.attn_backend, runner.pad_write_slot, 8, make_graph=RaisingReplay, max_seq_len=runner.context_len)
     original = graphs.run
     graphs.run = lambda batch: (rows_now.append(batch.req_rows.tolist()), original(batch))[1]
-    outs: dict[str, object] = {}
-    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    good = Req(rid="good", input_ids=list(PROMPTS[0]), params=params, sink=lambda out: outs.__setitem__("good", out))
-    bad = Req(rid="bad", input_ids=list(PROMPTS[1]), params=params, sink=lambda out: outs.__setitem__("bad", out))
-    for req in (good, bad):
-        rt.scheduler.add(req)
-    while rt.scheduler.waiting or rt.scheduler.running:
-        rt.scheduler.step()
-    assert outs["bad"].finished and outs["bad"].meta_info["finish_reason"]["status"] == 500
-    assert outs["good"].finished and outs["good"].meta_info["finish_reason"]["type"] == "length"
+    run_and_check_only_bad_failed(rt.scheduler, reqs, outs)
     assert graphs.enabled and graphs.replays >= 4  # the good request kept replaying its steps
-    rt.scheduler.check_accounting()

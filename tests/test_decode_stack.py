@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import TINY_ARCHS
+from helpers import TINY_ARCHS, good_and_bad_requests, run_and_check_only_bad_failed
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.models.decode_stack import DecodeStacks, stack_weight
 from radixlm.runtime.models.quant import Int4Linear, Int8Linear
@@ -139,7 +139,8 @@ def test_a_stack_that_raises_fails_only_the_request_it_computes(cpp_ext, tiny_ll
     rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512))
     stacks = rt.runner.model.decode_stacks
     original, calls = stacks.run, []
-    outs: dict[str, object] = {}
+    reqs, outs = good_and_bad_requests(PROMPTS[0], PROMPTS[1])
+    bad = reqs[1]
 
     def run(x, rope, batch):
         out = original(x, rope, batch)
@@ -149,14 +150,5 @@ def test_a_stack_that_raises_fails_only_the_request_it_computes(cpp_ext, tiny_ll
         return out
 
     stacks.run = run
-    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    good = Req(rid="good", input_ids=list(PROMPTS[0]), params=params, sink=lambda out: outs.__setitem__("good", out))
-    bad = Req(rid="bad", input_ids=list(PROMPTS[1]), params=params, sink=lambda out: outs.__setitem__("bad", out))
-    for req in (good, bad):
-        rt.scheduler.add(req)
-    while rt.scheduler.waiting or rt.scheduler.running:
-        rt.scheduler.step()
+    run_and_check_only_bad_failed(rt.scheduler, reqs, outs)
     assert calls and max(calls) == 2 and min(calls) == 1  # raised in the shared pass, then alone
-    assert outs["bad"].finished and outs["bad"].meta_info["finish_reason"]["status"] == 500
-    assert outs["good"].finished and outs["good"].meta_info["finish_reason"]["type"] == "length"
-    rt.scheduler.check_accounting()

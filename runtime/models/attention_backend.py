@@ -45,11 +45,7 @@ def select_attention_backend(name: str, device: torch.device) -> AttentionBacken
 class AttentionBackend(ABC):
     """Computes attention for a ForwardBatch over the paged KV pool."""
 
-    captures_decode = False  # whether static_decode_metadata works (decode steps can be CUDA graphs)
-
-    def static_decode_metadata(self, req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, num_kv_heads: int) -> object:
-        """Metadata of a decode-only batch that reads its rows and lengths from fixed tensors, for any lengths up to ``max_seq_len``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot run decode steps from static metadata")
+    captures_decode = False  # True where the backend has static_decode_metadata (its decode steps can be CUDA graphs)
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
