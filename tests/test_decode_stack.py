@@ -83,8 +83,13 @@ def test_a_shared_prefix_in_a_pool_of_another_dtype_keeps_the_python_path(cpp_ex
     assert any(g == 1 for g, _, _ in seen) and not any(g and ran for g, ran, _ in seen)
 
 
-def test_speculative_verify_rows_give_the_python_layers_logits(cpp_ext, tiny_llama):
-    # the prompt repeats itself, so the n-gram proposer drafts and each verify pass is one query a draft token
+def test_speculative_verify_rows_give_the_python_layers_logits(cpp_ext, tiny_llama, monkeypatch):
+    # the prompt repeats itself, so the n-gram proposer drafts and each verify pass is one query a draft token;
+    # the gate prices a draft position from measured pass times, which differ between the two runs, so
+    # the price is held at its prior: both runs then draft the same tokens at the same steps
+    from radixlm.runtime.speculative.pass_cost import PassCost
+
+    monkeypatch.setattr(PassCost, "position_cost", lambda self, batch, k=1: self.prior)
     prompt = [5, 9, 14, 3, 22, 40, 7] * 8
     args = dict(prompts=(prompt,), steps=24, speculative_algorithm="ngram")
     verify = []
