@@ -157,7 +157,9 @@ def test_a_replayed_step_equals_the_eager_step_and_writes_only_its_own_kv_slots(
     written[runner.pad_write_slot] = True
     for layer, (old, new, eager_kv) in enumerate(zip(before, pool.k + pool.v, after_eager)):
         assert torch.equal(old[~written], new[~written]), f"pool tensor {layer}: a padded row wrote into a slot it does not own"
-        assert torch.equal(eager_kv[tiny.out_slots], new[tiny.out_slots])  # the batch's own KV, as the eager step wrote it
+        # the batch's own KV, as the eager step wrote it (to rounding: the replay's projections run at the
+        # bucket's padded row count, and a BLAS may round another row count differently)
+        torch.testing.assert_close(new[tiny.out_slots], eager_kv[tiny.out_slots], rtol=1e-5, atol=1e-5)
     assert graphs.captured == [4, 8]
 
 
