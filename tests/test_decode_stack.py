@@ -13,6 +13,7 @@ from radixlm.runtime.models.quant import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.speculative.pass_cost import PassCost
 
 PROMPTS = ([5, 9, 14, 3, 22, 40, 7], [31, 8, 8, 60, 2])  # no shared first slot: no cascade prefix
 
@@ -87,8 +88,6 @@ def test_speculative_verify_rows_give_the_python_layers_logits(cpp_ext, tiny_lla
     # the prompt repeats itself, so the n-gram proposer drafts and each verify pass is one query a draft token;
     # the gate prices a draft position from measured pass times, which differ between the two runs, so
     # the price is held at its prior: both runs then draft the same tokens at the same steps
-    from radixlm.runtime.speculative.pass_cost import PassCost
-
     monkeypatch.setattr(PassCost, "position_cost", lambda self, batch, k=1: self.prior)
     prompt = [5, 9, 14, 3, 22, 40, 7] * 8
     args = dict(prompts=(prompt,), steps=24, speculative_algorithm="ngram")

@@ -53,8 +53,6 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       for (int64_t i = 0; i < inter; ++i) {
         const float x = static_cast<float>(g[i]);
         const float e = radixlm::exp_nonpositive(-std::fabs(x));  // exp(-|x|): never overflows
-        // one division after a select, so that the loop vectorizes (two divisions in the arms of
-        // a branch kept it scalar)
         const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
         o[i] = static_cast<T>(x * sig * static_cast<float>(u[i]));
       }
