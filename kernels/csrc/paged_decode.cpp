@@ -139,10 +139,7 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
             for (int64_t d = 0; d < dim; ++d) rowf[d] = to_float(kr[d]);
             for (int64_t g = 0; g < group; ++g) {
               const float* qg = qf.data() + (h * group + g) * dim;
-              float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < dim; ++d) dot += qg[d] * rowf[d];
-              scores[g * BLOCK + j] = dot * ks;
+              scores[g * BLOCK + j] = radixlm::dot(qg, rowf.data(), dim) * ks;
             }
           }
           for (int64_t g = 0; g < group; ++g) {
