@@ -12,7 +12,7 @@
 //
 // The pool may hold fp32, bf16, fp16, int8 or fp8 (e4m3fn / e5m2) values; 8-bit pools come with
 // one fp16 scale per (slot, KV head) for K and for V. Values are converted to fp32 as they are
-// loaded (the key's scale folded into the transposed key block, the value's into its softmax
+// loaded (the key's scale multiplies its scores, the value's is folded into its softmax
 // weight), so the pool is read in place whatever its format.
 
 #include <torch/extension.h>
