@@ -94,9 +94,9 @@ def measure(engine: radixlm.Engine, batch: int, new_tokens: int) -> tuple[float,
     return steps * batch / window, reduce_s * 1000 / steps, calls / steps, broadcast_s * 1e6 / steps
 
 
-def _latency_peer(port: int, numel: int) -> None:
+def _latency_peer(port: int, secret: bytes, numel: int) -> None:
     torch.set_num_threads(1)
-    group = TPGroup(join_store(port, 2, 60), 1, 2, torch.device("cpu"), 60)
+    group = TPGroup(join_store(port, 2, 60, secret), 1, 2, torch.device("cpu"), 60)
     x = torch.ones(numel)
     for _ in range(LATENCY_CALLS + 100):
         group.all_reduce(x)
@@ -107,7 +107,7 @@ def gloo_latency(numel: int) -> float:
     import torch.multiprocessing as mp
 
     store = open_store(2, 60)
-    peer = mp.get_context("spawn").Process(target=_latency_peer, args=(store.port, numel))
+    peer = mp.get_context("spawn").Process(target=_latency_peer, args=(store.port, store.secret, numel))
     peer.start()
     group = TPGroup(store, 0, 2, torch.device("cpu"), 60)
     x = torch.ones(numel)

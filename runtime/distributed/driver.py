@@ -50,7 +50,8 @@ class TPDriver:
         self._on_failure: Callable[[TensorParallelError], None] | None = None
         for rank in range(1, size):
             receive, send = ctx.Pipe(duplex=False)
-            spec = WorkerSpec(rank, size, self.store.port, args, model_path, pool_tokens, num_threads, timeout)
+            # the secret travels in the pickled spec over spawn's pipe, never on a command line
+            spec = WorkerSpec(rank, size, self.store.port, self.store.secret, args, model_path, pool_tokens, num_threads, timeout)
             proc = ctx.Process(target=worker_main, args=(spec, send), name=f"radixlm-tp{rank}", daemon=True)
             proc.start()
             send.close()

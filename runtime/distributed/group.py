@@ -3,7 +3,9 @@
 The group is built from its own ``TCPStore`` and process-group object rather than from
 ``torch.distributed``'s process-wide default group, so one process can hold several engines (and
 tests can start and stop them) without global state. Rank 0 hosts the store on a free loopback
-port and hands the port to the workers it starts.
+port (bound there itself: a plain TCPStore server listens on every interface) and hands the port
+and a fresh secret to the workers it starts, through their spawn arguments, never their command
+line; every store record, the gloo/NCCL rendezvous included, is signed with that secret.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from radixlm.runtime.distributed.store import SignedStore, listening_store, new_secret
+
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.sharding import TPShard
 
@@ -22,20 +26,21 @@ LOOPBACK = "127.0.0.1"
 IDLE_WAIT = datetime.timedelta(days=365)
 
 
-def open_store(size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free loopback port (``store.port``)."""
-    return dist.TCPStore(LOOPBACK, 0, size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+def open_store(size: int, timeout_s: float, secret: bytes | None = None) -> SignedStore:
+    """Rank 0's rendezvous store on a free loopback port (``store.port``), signing with ``secret``
+    (a fresh one by default: hand ``store.secret`` to the workers)."""
+    return SignedStore(listening_store(LOOPBACK, 0, size, timeout_s), secret or new_secret())
 
 
-def join_store(port: int, size: int, timeout_s: float) -> dist.TCPStore:
-    """A worker's client of rank 0's store."""
-    return dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+def join_store(port: int, size: int, timeout_s: float, secret: bytes) -> SignedStore:
+    """A worker's client of rank 0's store, signing with the group's secret."""
+    return SignedStore(dist.TCPStore(LOOPBACK, port, size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)), secret)
 
 
 class TPGroup:
     """The collectives a tensor-parallel model needs, with the time spent in them."""
 
-    def __init__(self, store: dist.TCPStore, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, store: SignedStore, rank: int, size: int, device: torch.device, timeout_s: float) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store, self.rank, self.size, self.device = store, rank, size, device
         if device.type == "cuda":

@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
@@ -24,11 +24,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class WorkerSpec:
-    """What a worker needs to start: its rank, the rendezvous port, and the engine's options."""
+    """What a worker needs to start: its rank, the rendezvous port and secret, and the engine's options."""
 
     rank: int
     size: int
     port: int
+    secret: bytes = field(repr=False)  # signs the store's records; reaches the worker through spawn's pipe
     args: ServerArgs
     model_path: str
     pool_tokens: int
@@ -55,7 +56,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         if device.type == "cuda":
             device = torch.device("cuda", spec.rank)
             torch.cuda.set_device(device)
-        group = TPGroup(join_store(spec.port, spec.size, spec.timeout_s), spec.rank, spec.size, device, spec.timeout_s)
+        group = TPGroup(join_store(spec.port, spec.size, spec.timeout_s, spec.secret), spec.rank, spec.size, device, spec.timeout_s)
         runner = ModelRunner(spec.args, spec.model_path, group=group, pool_tokens=spec.pool_tokens)
     except BaseException:
         conn.send(("error", f"tensor-parallel worker {spec.rank} failed to start:\n{traceback.format_exc()}"))
