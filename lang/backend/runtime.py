@@ -1,13 +1,17 @@
-"""Runtime: start ``radixlm serve`` as a child process on a free port and use it as a backend."""
+"""Runtime: start ``radixlm serve`` as a child process and use it as a backend.
+
+The child serves on a socket bound here first (``--listen-fd``, so no other local user can take
+its port before it binds), gets the keys in its environment (never on its command line, which
+every local user can read), and runs as ``python -P -m radixlm`` from ``/`` (nothing planted in
+the caller's folder or in /tmp is imported, or taken for a model name).
+"""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
 import os
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,9 +21,12 @@ import httpx
 
 from radixlm.lang.backend.base import BackendError
 from radixlm.lang.backend.endpoint import RuntimeEndpoint
+from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, child_environ, resolve_key
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.spawn import CHILD_CWD, bound_port, listening_socket, radixlm_command
 
 _SERVE_OPTIONS = {"max_queued_requests", "served_model_name"}
+_PATH_OPTIONS = {"tokenizer_path", "speculative_draft_model_path"}
 
 
 class Runtime(RuntimeEndpoint):
@@ -30,6 +37,7 @@ class Runtime(RuntimeEndpoint):
         model_path: str | None = None,
         *,
         api_key: str | None = None,
+        admin_api_key: str | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
         startup_timeout: float = 300.0,
@@ -40,14 +48,20 @@ class Runtime(RuntimeEndpoint):
         unknown = sorted(set(server_args) - known)
         if unknown:
             raise ValueError(f"unknown server argument {unknown[0]!r}")
-        self.port = port or _free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        if model_path is not None and os.path.exists(model_path):
-            model_path = os.path.abspath(model_path)
-        options: dict[str, Any] = {"model_path": model_path, "host": host, "port": self.port, "api_key": api_key, **server_args}
-        self.log_path = log_file or tempfile.mkstemp(prefix=f"radixlm-runtime-{self.port}-", suffix=".log")[1]
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(_command(options), stdout=self._log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir())
+        # checked here, before anything starts; they go in the child's environment, not its argv
+        env = child_environ(resolve_key(api_key, API_KEY_ENV, "api_key", environ={}), resolve_key(admin_api_key, ADMIN_KEY_ENV, "admin_api_key", environ={}))
+        # the child runs from CHILD_CWD: a relative path that names something here keeps its meaning
+        model_path = _absolute(model_path)
+        for name in _PATH_OPTIONS & set(server_args):
+            server_args[name] = _absolute(server_args[name])
+        with listening_socket(host, port or 0) as sock:  # the child holds its own copy once started
+            self.port = bound_port(sock)
+            self.url = f"http://{host}:{self.port}"
+            options: dict[str, Any] = {"model_path": model_path, "host": host, "port": self.port, **server_args}
+            self.log_path = log_file or tempfile.mkstemp(prefix=f"radixlm-runtime-{self.port}-", suffix=".log")[1]
+            self._log = open(self.log_path, "w")
+            cmd = [*_command(options), "--listen-fd", str(sock.fileno())]
+            self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=CHILD_CWD, env=env, pass_fds=[sock.fileno()])
         atexit.register(self.shutdown)
         try:
             self._wait_healthy(startup_timeout)
@@ -95,15 +109,14 @@ class Runtime(RuntimeEndpoint):
             self._log.close()
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _absolute(path: str | None) -> str | None:
+    """``path`` made absolute when it names something from here (a hub id stays as it is)."""
+    return os.path.abspath(path) if path is not None and os.path.exists(path) else path
 
 
 def _command(options: dict[str, Any]) -> list[str]:
-    script = Path(sys.executable).parent / "radixlm"
-    cmd = [str(script), "serve"] if script.exists() else [sys.executable, "-m", "radixlm", "serve"]
+    """``radixlm serve`` with ``options`` as flags (the keys are never among them)."""
+    cmd = [*radixlm_command(), "serve"]
     for key, value in options.items():
         if value is None or value is False:
             continue

@@ -14,10 +14,12 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.runtime.http_body import MAX_BODY_BYTES
 from radixlm.runtime.http_errors import add_fallback_handlers, error_response
+from radixlm.runtime.http_origin import OriginPolicy
 from radixlm.runtime.router.auth import RequireKey
 from radixlm.runtime.router.config import RouterConfig
 from radixlm.runtime.router.metrics import RouterMetrics, relabel
@@ -62,8 +64,10 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="radixlm router", lifespan=lifespan)
     app.state.router = state
-    if config.api_key:
-        app.add_middleware(RequireKey, key=config.api_key)
+    origins = OriginPolicy.from_options(config.allowed_hosts, config.allowed_origins)
+    app.add_middleware(RequireKey, keys=(config.api_key, config.admin_api_key), origins=origins)
+    if origins.allowed_origins:  # outermost: preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins.allowed_origins), allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type", "X-Cache-Salt"])
     _add_error_handlers(app)
     _add_generate_routes(app, state)
     _add_worker_routes(app, state)
@@ -203,7 +207,7 @@ def _add_own_routes(app: FastAPI, state: RouterState) -> None:
                 row["info_error"] = f"{type(r).__name__}: {r}" if isinstance(r, Exception) else f"status {r.status_code}"
             rows.append(row)
         policy = "pd_disaggregation" if state.config.pd_disaggregation else state.policy.name
-        config = {**dataclasses.asdict(state.config), "api_key": "(set)" if state.config.api_key else None}  # never echo the key
+        config = {**dataclasses.asdict(state.config), "api_key": "(set)" if state.config.api_key else None, "admin_api_key": "(set)" if state.config.admin_api_key else None}  # never echo a key
         return {"role": "router", "policy": policy, "shutting_down": state.shutting_down, "config": config, "workers": rows}
 
     @app.get("/metrics")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from radixlm.runtime.secrets import API_KEY_ENV
+
 POLICY_CHOICES = ["cache_aware", "round_robin", "shortest_queue"]
 
 
@@ -19,7 +21,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-chars", type=int, default=2_000_000, help="cache_aware: characters of request text remembered per worker; past it the least recently used are forgotten (default: 2000000).")
     p.add_argument("--health-check-interval", type=float, default=2.0, help="Seconds between GET /health checks of each worker (default: 2).")
     p.add_argument("--max-retries", type=int, default=2, help="Times a request that fails before its first byte is sent to another worker (default: 2).")
-    p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but /health; also sent on the router's own calls to the workers.")
+    p.add_argument("--api-key", default=None, help=f"Require 'Authorization: Bearer KEY' on every route but /health; also sent on the router's own calls to the workers (default: ${API_KEY_ENV} if set). Prefer the variable: a command line is readable by every local user.")
+    p.add_argument("--admin-api-key", default=None, help="Also accept this key (default: $RADIXLM_ADMIN_API_KEY if set); it is forwarded, and each worker decides what it opens (see radixlm serve --admin-api-key).")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST", help="Host header values accepted besides IP addresses and localhost (against DNS rebinding); '*' accepts any.")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="Browser origins (scheme://host[:port]) allowed to send state-changing requests cross-site; default: none.")
     p.add_argument("--pd-disaggregation", action="store_true", help="Send each request to a prefill worker and a decode worker at once (with a shared bootstrap_room); the client gets the decode worker's answer.")
     p.add_argument("--prefill", default=None, metavar="URL", help="With --pd-disaggregation: the prefill worker.")
     p.add_argument("--decode", default=None, metavar="URL", help="With --pd-disaggregation: the decode worker.")

@@ -24,6 +24,9 @@ class RouterConfig:
     prefill_url: str | None = None
     decode_url: str | None = None
     api_key: str | None = None  # required of clients (but on /health) and sent on the router's own calls
+    admin_api_key: str | None = None  # also accepted from clients (forwarded: the workers decide what it opens)
+    allowed_hosts: list[str] = field(default_factory=list)  # Host values beyond IP literals and localhost
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed cross-site
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid option."""

@@ -1,5 +1,9 @@
-"""``radixlm serve --dp-size N``: N engine servers (child processes on free loopback ports)
-behind the router, which serves on --host/--port in this process.
+"""``radixlm serve --dp-size N``: N engine servers (child processes on loopback ports) behind the
+router, which serves on --host/--port in this process.
+
+Each worker serves on a socket this process bound and put in listen state first (``--listen-fd``):
+no other local user can take its port between a check and the worker's bind. The keys reach
+the workers through their environment, never their command lines (readable by every local user).
 
 SIGTERM or SIGINT: the router refuses new requests (503) while every worker drains with its own
 --drain-timeout; once all have exited the router stops and the command exits 0, or 1 if a
@@ -13,7 +17,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,9 +29,12 @@ import uvicorn
 
 from radixlm.runtime.router.app import create_router_app
 from radixlm.runtime.router.config import RouterConfig
+from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, child_environ, resolve_key
+from radixlm.runtime.spawn import bound_port, listening_socket, radixlm_command
 
 logger = logging.getLogger(__name__)
-_NOT_PASSED = {"dp_size", "router_policy", "host", "port", "num_threads", "help", "command"}
+# not passed on: the launcher's own, or given otherwise (the keys by environment, the socket by fd)
+_NOT_PASSED = {"dp_size", "router_policy", "host", "port", "num_threads", "help", "command", "api_key", "admin_api_key", "listen_fd"}
 
 
 @dataclass
@@ -54,16 +60,10 @@ class StartupFailed(RuntimeError):
     """A worker exited, or never became healthy, before the router could start."""
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def passed_options(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
     """The command-line options of ``ns`` that differ from their defaults, as arguments again
-    (what every worker gets besides its own --port, --host and --num-threads)."""
+    (what every worker gets besides its own --listen-fd, --port, --host and --num-threads; never
+    the keys, which go by environment)."""
     out: list[str] = []
     for action in parser._actions:
         if not action.option_strings or action.dest in _NOT_PASSED:
@@ -105,32 +105,32 @@ def _die_with_parent():
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def _python_m() -> list[str]:
-    # -P: the working directory (maybe the repository root, whose kernels/ and runtime/ folders
-    # would shadow installed packages) is not put on sys.path
-    if sys.version_info >= (3, 11):
-        return [sys.executable, "-P", "-m", "radixlm"]
-    return [sys.executable, "-c", "import sys; sys.path.pop(0); from radixlm.runtime.cli import main; main()"]
+def worker_keys(ns: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The API key and the admin key of ``radixlm serve --dp-size`` (flag, else environment)."""
+    return resolve_key(getattr(ns, "api_key", None), API_KEY_ENV, "--api-key"), resolve_key(getattr(ns, "admin_api_key", None), ADMIN_KEY_ENV, "--admin-api-key")
 
 
 def start_workers(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[WorkerProcess]:
-    """Start ``ns.dp_size`` workers, each with its own port, threads and (on CUDA) devices."""
+    """Start ``ns.dp_size`` workers, each on its own socket bound here, with its threads and (on
+    CUDA) devices, and the keys in its environment."""
     n, tp = ns.dp_size, getattr(ns, "tp_size", 1) or 1
     threads = ns.num_threads if ns.num_threads is not None else max(1, (os.cpu_count() or 1) // (n * tp))
     devices = _cuda_devices(getattr(ns, "device", "auto"))
     if devices is not None and len(devices) < n * tp:
         raise ValueError(f"--dp-size {n} x --tp-size {tp} needs {n * tp} GPUs, {len(devices)} visible")
     common = passed_options(ns, parser)
+    api_key, admin_key = worker_keys(ns)
     preexec = _die_with_parent()
     workers: list[WorkerProcess] = []
     try:
         for i in range(n):
-            port = free_port()
-            env = dict(os.environ)
+            env = child_environ(api_key, admin_key)
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i * tp : (i + 1) * tp])
-            cmd = [*_python_m(), "serve", *common, "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads)]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True, errors="replace", preexec_fn=preexec)
+            with listening_socket("127.0.0.1") as sock:  # the child holds its own copy once started
+                port, fd = bound_port(sock), sock.fileno()
+                cmd = [*radixlm_command(), "serve", *common, "--listen-fd", str(fd), "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(threads)]
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, text=True, errors="replace", preexec_fn=preexec, pass_fds=[fd])
             w = WorkerProcess(i, port, proc)
             threading.Thread(target=_pump, args=(w,), name=f"radixlm-worker-{i}-log", daemon=True).start()
             workers.append(w)
@@ -204,7 +204,8 @@ def run_dp(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if stop.is_set():
         stop_workers(workers, timeout=max(ns.drain_timeout + 10, 10))
         return 0
-    config = RouterConfig(worker_urls=[w.url for w in workers], policy=ns.router_policy, api_key=ns.api_key)
+    api_key, admin_key = worker_keys(ns)
+    config = RouterConfig(worker_urls=[w.url for w in workers], policy=ns.router_policy, api_key=api_key, admin_api_key=admin_key, allowed_hosts=list(ns.allowed_hosts), allowed_origins=list(ns.allowed_origins))
     app = create_router_app(config)
     group = _Group(workers, app.state.router, stop)
     server = _RouterServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=5), group)

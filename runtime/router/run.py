@@ -9,15 +9,19 @@ import uvicorn
 
 from radixlm.runtime.router.app import create_router_app
 from radixlm.runtime.router.config import RouterConfig
+from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, resolve_key
 
 
 def router_config(ns: argparse.Namespace) -> RouterConfig:
-    """The RouterConfig of ``radixlm router``'s options (checked)."""
+    """The RouterConfig of ``radixlm router``'s options (checked; the key: --api-key, else $RADIXLM_API_KEY)."""
+    api_key = resolve_key(ns.api_key, API_KEY_ENV, "--api-key")
+    admin_key = resolve_key(getattr(ns, "admin_api_key", None), ADMIN_KEY_ENV, "--admin-api-key")
     config = RouterConfig(
         worker_urls=list(ns.worker_urls), policy=ns.policy, cache_threshold=ns.cache_threshold,
         balance_abs_threshold=ns.balance_abs_threshold, balance_rel_threshold=ns.balance_rel_threshold,
         max_tree_chars=ns.max_tree_chars, health_check_interval=ns.health_check_interval, max_retries=ns.max_retries,
-        pd_disaggregation=ns.pd_disaggregation, prefill_url=ns.prefill, decode_url=ns.decode, api_key=ns.api_key,
+        pd_disaggregation=ns.pd_disaggregation, prefill_url=ns.prefill, decode_url=ns.decode, api_key=api_key,
+        admin_api_key=admin_key, allowed_hosts=list(getattr(ns, "allowed_hosts", []) or []), allowed_origins=list(getattr(ns, "allowed_origins", []) or []),
     )
     config.validate()
     return config
