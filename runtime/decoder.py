@@ -23,8 +23,10 @@ Where a grammar allows most of the vocabulary (inside strings: the slowest masks
 rarely needed.
 
 Every per-request step (prompt logprobs, grammar mask, sampling, verification, appending) runs
-under its own guard: a request whose step raises, or whose logits are not finite, is returned as
-failed (``FinishReason.failure``) and the others carry on.
+under its own guard: a request whose step raises, whose logits are not finite, or whose row the
+sampler could not sample (its logit_bias, penalties or temperature overflowed, every token banned)
+is returned as failed (``FinishReason.failure``, a 500) and the others carry on; a request whose
+stop_regex searches ran over their time limit fails as the client's error (a 400).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from radixlm.runtime.faults import FaultInjector
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import FinishReason, Req
 from radixlm.runtime.sampler import (
+    SampleResult,
     SamplingRow,
     accept_draft,
     exact_without_mask,
@@ -49,8 +52,13 @@ from radixlm.runtime.sampler import (
 )
 from radixlm.runtime.schedule_batch import LogitSpans
 from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.stop_regex import StopRegexTooSlow
 
 logger = logging.getLogger(__name__)
+
+
+class SamplingFailed(RuntimeError):
+    """A draft position's logits could not be sampled (the sampler said why)."""
 
 
 @dataclass
@@ -89,7 +97,7 @@ class Decoder:
     # ------------------------------------------------------------ the step
     def process(self, logits: torch.Tensor, spans: LogitSpans) -> list[tuple[Req, FinishReason]]:
         """Consume the logits of one pass; returns the requests that finished (or failed) and why."""
-        failed: dict[Req, str] = {}
+        failed: dict[Req, FinishReason] = {}
         self._check_finite(logits, spans, failed)
         for row, first, pos, count in spans.prompt:
             req = row.req
@@ -119,15 +127,19 @@ class Decoder:
                 continue
             if reason is not None:
                 finished.append((pick.req, reason))
-        finished += [(req, FinishReason.failure(message)) for req, message in failed.items()]
+        finished += list(failed.items())
         return finished
 
     @staticmethod
-    def _fail(req: Req, failed: dict[Req, str], what: str, exc: Exception) -> None:
+    def _fail(req: Req, failed: dict[Req, FinishReason], what: str, exc: Exception) -> None:
+        if isinstance(exc, StopRegexTooSlow):  # the client's pattern: its message names stop_regex
+            logger.warning("request %s failed while %s: %s", req.rid, what, exc)
+            failed.setdefault(req, FinishReason.failure(str(exc), status=exc.status))
+            return
         logger.exception("request %s failed while %s", req.rid, what)
-        failed.setdefault(req, f"{what} failed: {exc}")
+        failed.setdefault(req, FinishReason.failure(f"{what} failed: {exc}"))
 
-    def _check_finite(self, logits: torch.Tensor, spans: LogitSpans, failed: dict[Req, str]) -> None:
+    def _check_finite(self, logits: torch.Tensor, spans: LogitSpans, failed: dict[Req, FinishReason]) -> None:
         """Fail each request with a NaN or infinite logit: its KV must never reach the cache."""
         ranges = [(row.req, first, count) for row, first, _, count in spans.prompt]
         ranges += [(row.req, first, count) for row, first, count in spans.picks]
@@ -140,9 +152,9 @@ class Decoder:
         for req, first, count in ranges:
             if not all(finite[first : first + count]):
                 logger.error("request %s produced non-finite logits", req.rid)
-                failed.setdefault(req, "the model produced non-finite logits (NaN or inf) for this request")
+                failed.setdefault(req, FinishReason.failure("the model produced non-finite logits (NaN or inf) for this request"))
 
-    def _pick_plain(self, logits: torch.Tensor, plain: list[tuple[Req, int]], failed: dict[Req, str]) -> list[_Picked]:
+    def _pick_plain(self, logits: torch.Tensor, plain: list[tuple[Req, int]], failed: dict[Req, FinishReason]) -> list[_Picked]:
         """Sample one token for each plain row: batched, or row by row when the batch raises."""
         masks: dict[Req, torch.Tensor | None] = {}
         lazy: set[Req] = set()  # picked before their mask; ``taken``: those whose grammar took the pick
@@ -162,6 +174,7 @@ class Decoder:
         try:
             res = self._sample(logits, plain, masks, lazy, taken, failed)
             results = list(zip([r for r, _ in plain], res.token_ids, res.logprobs, res.top_logprobs))
+            self._fail_unsampled([r for r, _ in plain], res, failed)
         except Exception:
             for req in taken:  # the batch's picks are void: their grammars step back
                 req.grammar.rollback(1)
@@ -173,6 +186,7 @@ class Decoder:
                 try:
                     one = self._sample(logits, [(req, first)], masks, lazy, taken, failed)
                     results.append((req, one.token_ids[0], one.logprobs[0], one.top_logprobs[0]))
+                    self._fail_unsampled([req], one, failed)
                 except Exception as exc:
                     self._fail(req, failed, "sampling", exc)
         picked = []
@@ -185,6 +199,15 @@ class Decoder:
             picked.append(pick)
         return picked
 
+    @staticmethod
+    def _fail_unsampled(reqs: list[Req], res: SampleResult, failed: dict[Req, FinishReason]) -> None:
+        """Fail each request whose row the sampler could not sample (non-finite logits, all banned)."""
+        for i, req in enumerate(reqs):
+            message = res.failure(i)
+            if message is not None:
+                logger.error("request %s: %s", req.rid, message)
+                failed.setdefault(req, FinishReason.failure(message))
+
     def _may_mask_lazily(self, req: Req) -> bool:
         """True when ``req``'s next token may be picked before its grammar mask (module doc)."""
         if req.grammar is None or self.args.grammar_mask != "lazy" or not exact_without_mask(req.params):
@@ -195,7 +218,7 @@ class Decoder:
         # takes other splits of it too (measured: no disagreement elsewhere): the mask decides there.
         return req.grammar.error() is None and not req.grammar.mask_needed() and not req.grammar.forced_text()
 
-    def _sample(self, logits: torch.Tensor, plain: list[tuple[Req, int]], masks: dict[Req, torch.Tensor | None], lazy: set[Req], taken: set[Req], failed: dict[Req, str]):
+    def _sample(self, logits: torch.Tensor, plain: list[tuple[Req, int]], masks: dict[Req, torch.Tensor | None], lazy: set[Req], taken: set[Req], failed: dict[Req, FinishReason]):
         reqs = [r for r, _ in plain]
         if self.faults is not None:
             for r in reqs:
@@ -278,8 +301,10 @@ class Decoder:
                     res = accept_draft(logits[i], srow, drafts[i], self.generator, mask, **extra)
                 else:
                     res = sample(logits[i : i + 1], [srow], self.generator, None if mask is None else mask[None])
-                if not self._grammar_takes(req, res.token_ids[0], pick):
+                if res.failure(0) is None and not self._grammar_takes(req, res.token_ids[0], pick):
                     break
+            if res.failure(0) is not None:
+                raise SamplingFailed(res.failure(0))
             token = res.token_ids[0]
             pick.add(token, res.logprobs[0], res.top_logprobs[0])
             if i == len(drafts) or token != drafts[i]:
@@ -301,7 +326,7 @@ class Decoder:
             return None
         res = sample(logits[None], [srow], self.generator)
         token = res.token_ids[0]
-        if token in self.end_ids or not req.grammar.accept(token):
+        if res.failure(0) is not None or token in self.end_ids or not req.grammar.accept(token):
             return None
         self.grammar_lazy_picks += 1
         return res

@@ -7,7 +7,8 @@ import weakref
 from typing import Any
 
 from radixlm.runtime.request import Req, ReqOutput
-from radixlm.runtime.stop_regex import find_stop_regex, partial_stop_len, partial_stop_regex_len
+from radixlm.runtime.stop_regex import find_stop_regex, partial_stop_regex_len, search_deadline
+from radixlm.runtime.stop_strings import StopScan
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -20,6 +21,8 @@ class OutputBuilder:
         # Per-request logprob entries, built once each; a request that vanishes unfinished
         # (its loop stopped) takes its entry with it.
         self._logs: weakref.WeakKeyDictionary[Req, _LogprobLog] = weakref.WeakKeyDictionary()
+        # Per-request place in its stop-string automaton (stop_strings.py), likewise.
+        self._scans: weakref.WeakKeyDictionary[Req, StopScan] = weakref.WeakKeyDictionary()
 
     def update_text(self, req: Req, final: bool) -> str | None:
         """Bring ``req.text`` up to date; returns the stop string (or stop_regex pattern) found
@@ -36,9 +39,16 @@ class OutputBuilder:
         if not p.stop and not p.stop_regex:
             req.text = full
             return None
-        best = _first_stop_string(full, len(delta), p.stop)
+        scan = None
+        best = None
+        if p.stop:
+            scan = self._scans.get(req)
+            if scan is None:
+                scan = self._scans[req] = StopScan(p.stop_strings())
+            best = scan.update(full)
+        deadline = search_deadline()
         if p.stop_regex:
-            found = find_stop_regex(full, len(delta), p.stop_regex)
+            found = find_stop_regex(full, len(delta), p.stop_regex, deadline)
             if found is not None and (best is None or found[0] < best[0]):
                 best = found
         if best is not None:
@@ -47,7 +57,7 @@ class OutputBuilder:
             return matched
         hold = 0
         if not final:
-            hold = max(partial_stop_len(full, p.stop), partial_stop_regex_len(full, p.stop_regex))
+            hold = max(scan.hold() if scan is not None else 0, partial_stop_regex_len(full, p.stop_regex, deadline))
         req.text = full[: len(full) - hold]
         return None
 
@@ -155,16 +165,3 @@ def _tops(tops: list | None, text_of: _TokenTexts | None) -> list[tuple] | None:
     if tops is None:
         return None
     return [_triple(lp, tid, text_of) for lp, tid in tops]
-
-
-def _first_stop_string(text: str, new_chars: int, stops: list[str]) -> tuple[int, int, str] | None:
-    """The earliest stop string ``(start, end, stop)`` that reaches into the last ``new_chars``."""
-    if not stops:
-        return None
-    scan_from = max(0, len(text) - new_chars - max(len(s) for s in stops) + 1)
-    best: tuple[int, int, str] | None = None
-    for s in stops:
-        i = text.find(s, scan_from)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, i + len(s), s)
-    return best

@@ -3,12 +3,17 @@
 Order per step (as in SGLang): grammar mask → stop-token mask for ``min_new_tokens`` →
 logit_bias → penalties → temperature → top-k → top-p → min-p → sample. Greedy rows take the argmax of the
 processed logits. Logprobs are those of the model's raw distribution.
+
+A row that cannot be sampled is reported, not picked: NaN or +inf in its processed logits (its
+logit_bias, penalties or temperature overflowed), or no token left that its bans allow (a grammar
+that allows nothing is the grammar's refusal, which the decoder reports; that row is picked as
+before). Its entry in ``SampleResult.failed`` says why; the other rows are untouched.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +40,30 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[float, int]] | None]
+    failed: list[str | None] = field(default_factory=list)  # per row: why it could not be sampled (or None)
+
+    def failure(self, i: int) -> str | None:
+        """Why row ``i`` could not be sampled, or None when its token stands."""
+        return self.failed[i] if i < len(self.failed) else None
+
+
+NON_FINITE = "sampling failed: this request's logits became NaN or infinite after its logit_bias, penalties or temperature"
+NOTHING_ALLOWED = "sampling failed: every token is banned for this request (stop_token_ids with min_new_tokens?)"
+
+
+def unsampleable(logits: torch.Tensor, allowed_mask: torch.Tensor | None) -> torch.Tensor:
+    """Codes per row of processed ``logits`` ``[B, V]``: 0 usable, 1 NaN or +inf, 2 nothing
+    allowed by its bans (rows whose grammar ``allowed_mask`` allows nothing count as usable)."""
+    top = logits.max(dim=-1).values  # NaN when any entry is NaN
+    broken = torch.isnan(top) | (top == float("inf"))
+    empty = top == float("-inf")
+    if allowed_mask is not None:
+        empty &= allowed_mask.any(dim=-1)
+    return torch.where(broken, 1, torch.where(empty, 2, 0))
+
+
+def _messages(codes: list[int]) -> list[str | None]:
+    return [None if c == 0 else NON_FINITE if c == 1 else NOTHING_ALLOWED for c in codes]
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -116,6 +145,7 @@ def sample(
     """
     raw = logits
     logits = _prepare(logits, rows, allowed_mask)
+    codes = unsampleable(logits, allowed_mask)
 
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -129,9 +159,14 @@ def sample(
         sub_rows = [rows[i] for i in random]
         probs = _sampling_probs(logits.index_select(0, idx), sub_rows)
         tokens[idx], noise = _draw(probs, sub_rows, default_generator)
+        # temperature can overflow what was finite: its row's probabilities are then all NaN
+        codes[idx] = torch.where((codes[idx] == 0) & torch.isnan(probs.sum(dim=-1)), 1, codes[idx])
+    failed = _messages(codes.tolist())
     if recheck is not None:
         where = {i: j for j, i in enumerate(random)}
         for i, token in enumerate(tokens.tolist()):
+            if failed[i] is not None:
+                continue  # its grammar must not take a token that was never really picked
             mask = recheck(i, token)
             if mask is None:
                 continue
@@ -142,7 +177,9 @@ def sample(
             else:
                 tokens[i] = logits[i].masked_fill(~mask, float("-inf")).argmax()
 
-    return _with_logprobs(raw, tokens, rows)
+    result = _with_logprobs(raw, tokens, rows)
+    result.failed = failed
+    return result
 
 
 def exact_without_mask(params: SamplingParams) -> bool:
@@ -219,11 +256,16 @@ def accept_draft(
     """
     raw = logits[None]
     x = _prepare(raw, [row], None if allowed_mask is None else allowed_mask[None])
+    failed = _messages(unsampleable(x, None if allowed_mask is None else allowed_mask[None]).tolist())
+    if failed[0] is not None:
+        return SampleResult([draft], [None], [None], failed)
     if row.params.greedy:
         token = int(x[0].argmax())
     else:
         gen = row.generator or default_generator
         probs = _sampling_probs(x, [row])[0]
+        if bool(torch.isnan(probs.sum())):  # temperature overflowed what was finite
+            return SampleResult([draft], [None], [None], [NON_FINITE])
         q = None if draft_probs is None else draft_probs.to(device=probs.device, dtype=probs.dtype)
         if q is not None and float(q[draft]) > 0:
             p_d, q_d = float(probs[draft]), float(q[draft])

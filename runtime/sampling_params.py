@@ -10,6 +10,7 @@ from typing import Any
 
 from radixlm.runtime.constrained.schema_strict import close_objects
 from radixlm.runtime.stop_regex import validate_stop_regex
+from radixlm.runtime.stop_strings import StopStrings
 
 
 def _is_int(v: Any) -> bool:
@@ -23,6 +24,18 @@ def _is_number(v: Any) -> bool:
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily (as SGLang does)
 MAX_TOP_K = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+# Bounds on what one request may make every decode step do (issue 32): each step checks a
+# request's stops, stop tokens and logit_bias on the engine thread, for everyone in the batch.
+MAX_STOP_STRINGS = 32  # as many as stop_regex patterns (SGLang's bound there); OpenAI takes 4
+MAX_STOP_STRING_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's bound
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's range, on every route
+# A repetition penalty divides positive logits by itself (multiplies negative ones): below
+# about 1e-38 that overflows float32 to inf; this floor keeps it a factor of 100 at most.
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
+MAX_N = 128  # samples of one prompt (OpenAI's bound)
 
 # SGLang parameters that cannot apply here: each is accepted only with one of its neutral values.
 UNSUPPORTED_NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -63,6 +76,16 @@ class SamplingParams:
     json_schema_strict: bool = True  # generate only the properties a schema declares (unless it allows others)
     close_json_within_budget: bool = False  # steer JSON output to close before max_new_tokens (constrained/budget.py)
     ebnf: str | None = None
+    # The automaton over ``stop``, built where the params are validated (off the engine loop);
+    # not a request parameter (``accepted_keys`` leaves out names that begin with "_").
+    _stop_strings: StopStrings | None = field(default=None, repr=False, compare=False)
+
+    def stop_strings(self) -> StopStrings:
+        """The automaton of ``stop`` (built now if the params were not validated, or changed since)."""
+        stops = tuple([self.stop] if isinstance(self.stop, str) else self.stop)
+        if self._stop_strings is None or self._stop_strings.stops != stops:
+            self._stop_strings = StopStrings(stops)
+        return self._stop_strings
 
     @property
     def greedy(self) -> bool:
@@ -84,8 +107,11 @@ class SamplingParams:
         return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
-        """Validate user-supplied sampling parameters; raises ValueError naming the bad key."""
+    def from_dict(cls, params: dict[str, Any] | None, vocab_size: int | None = None, context_len: int | None = None) -> SamplingParams:
+        """Validate user-supplied sampling parameters; raises ValueError naming the bad key.
+
+        ``context_len``, when known, bounds ``max_new_tokens`` to what a context can hold.
+        """
         if params is None:
             params = {}
         if not isinstance(params, dict):
@@ -102,8 +128,10 @@ class SamplingParams:
                 raise ValueError(f"{name} is not supported by radixlm; it takes only its neutral value ({shown}), got {value!r}")
         sp = cls(**{k: v for k, v in params.items() if v is not None})
         sp._normalize()
-        sp.validate(vocab_size)
+        sp.validate(vocab_size, context_len)
         sp._close_schema()
+        if sp.stop:
+            sp.stop_strings()
         return sp
 
     def _normalize(self) -> None:
@@ -133,7 +161,7 @@ class SamplingParams:
         if closed != schema:
             self.json_schema = json.dumps(closed, ensure_ascii=False)
 
-    def validate(self, vocab_size: int | None = None) -> None:
+    def validate(self, vocab_size: int | None = None, context_len: int | None = None) -> None:
         """Raise ValueError naming the first invalid field."""
         checks_int = {"max_new_tokens": 0, "min_new_tokens": 0}
         for name, lo in checks_int.items():
@@ -142,6 +170,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer, got {v!r}")
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if context_len is not None and self.max_new_tokens > context_len - 1:
+            raise ValueError(f"max_new_tokens: this model's maximum context length is {context_len} tokens; you asked for {self.max_new_tokens} to generate, more than any prompt leaves room for (at most {context_len - 1})")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
         if not -1 <= self.top_k <= MAX_TOP_K:
@@ -161,10 +191,12 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty}")
+        self._validate_stop()
+        if isinstance(self.stop_token_ids, list) and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids (MAX_STOP_TOKEN_IDS), got {len(self.stop_token_ids)}")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
@@ -184,28 +216,50 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
 
+    def _validate_stop(self) -> None:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings (MAX_STOP_STRINGS), got {len(self.stop)}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop strings are at most {MAX_STOP_STRING_CHARS} characters (MAX_STOP_STRING_CHARS), got one of {len(longest)}")
+
     def _validate_extras(self, vocab_size: int | None) -> None:
         """SGLang's further parameters: n, stop_regex, logit_bias, stream_interval, spaces."""
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        _check_n(self.n)
         self.stop_regex = validate_stop_regex(self.stop_regex)
         if not isinstance(self.spaces_between_special_tokens, bool):
             raise ValueError(f"spaces_between_special_tokens must be a boolean, got {self.spaces_between_special_tokens!r}")
         if self.stream_interval is not None and not (_is_int(self.stream_interval) and self.stream_interval >= 1):
             raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or not all(_is_int(k) for k in self.logit_bias):
-                raise ValueError("logit_bias must map token ids (integers, as strings in JSON) to numbers")
-            for token, bias in self.logit_bias.items():
-                if token < 0 or (vocab_size is not None and token >= vocab_size):
-                    raise ValueError(f"logit_bias has token id {token}, outside the vocabulary [0, {vocab_size})")
-                if not _is_number(bias) or not math.isfinite(bias):
-                    raise ValueError(f"logit_bias for token {token} must be a finite number, got {bias!r}")
+            _check_logit_bias(self.logit_bias, vocab_size)
+
+
+def _check_n(n: Any) -> None:
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+
+
+def _check_logit_bias(bias: Any, vocab_size: int | None) -> None:
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens (MAX_LOGIT_BIAS_ENTRIES), got {len(bias)}")
+    if not isinstance(bias, dict) or not all(_is_int(k) for k in bias):
+        raise ValueError("logit_bias must map token ids (integers, as strings in JSON) to numbers")
+    lo, hi = LOGIT_BIAS_RANGE
+    for token, value in bias.items():
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise ValueError(f"logit_bias has token id {token}, outside the vocabulary [0, {vocab_size})")
+        if not _is_number(value) or not math.isfinite(value):
+            raise ValueError(f"logit_bias for token {token} must be a finite number, got {value!r}")
+        if not lo <= value <= hi:
+            raise ValueError(f"logit_bias for token {token} must be in [{lo:g}, {hi:g}], got {value!r}")
 
 
 def accepted_keys() -> set[str]:
     """Every key ``SamplingParams.from_dict`` takes: our fields, SGLang's aliases and neutral-only names."""
-    return {f.name for f in dataclasses.fields(SamplingParams)} | set(ALIASES) | set(UNSUPPORTED_NEUTRAL)
+    return {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")} | set(ALIASES) | set(UNSUPPORTED_NEUTRAL)
 
 
 def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[dict[str, Any] | SamplingParams | None]:
@@ -216,8 +270,7 @@ def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[di
         n = params["n"]
     else:
         n = 1  # no params, or not a dict (``from_dict`` refuses that by name)
-    if not _is_int(n) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    _check_n(n)
     if n == 1:
         return [params]
     if isinstance(params, SamplingParams):

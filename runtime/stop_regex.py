@@ -3,17 +3,20 @@
 Patterns are Python regular expressions (SGLang's semantics), matched with the ``regex``
 package, which reads ``re``'s syntax and takes a time limit: a search runs on the engine thread,
 and a pathological pattern (``(a+)+b`` takes ``re`` seconds on 24 characters) must not stall
-everyone's step, so a search over SEARCH_TIMEOUT_S fails its own request only. A request's text
-only grows, and every earlier text was already searched, so a new match must reach into the
-newest characters: each search starts that pattern's longest possible span (lookarounds
-included) before them, or at 0 when the pattern's span is unbounded. Streams hold back the tail
-that could still become a match (a partial match), so a stream never shows text a stop trims.
+everyone's step, so the searches of one request's patterns in one step share SEARCH_TIMEOUT_S
+(however many patterns it has), and running over it fails that request only, as the client's
+error (``StopRegexTooSlow``, a 400). A request's text only grows, and every earlier text was
+already searched, so a new match must reach into the newest characters: each search starts that
+pattern's longest possible span (lookarounds included) before them, or at 0 when the pattern's
+span is unbounded. Streams hold back the tail that could still become a match (a partial
+match), so a stream never shows text a stop trims.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import time
 
 try:  # Python 3.11+
     import re._parser as _sre  # type: ignore[import-not-found]
@@ -24,7 +27,13 @@ import regex
 
 MAX_STOP_REGEX_COUNT = 32  # SGLang's bounds
 MAX_STOP_REGEX_BYTES = 256
-SEARCH_TIMEOUT_S = 0.05  # one search of one pattern over one request's text
+SEARCH_TIMEOUT_S = 0.05  # all searches of one request's patterns in one step, together
+
+
+class StopRegexTooSlow(RuntimeError):
+    """A request's stop_regex searches ran over their time limit: the client's pattern is at fault."""
+
+    status = 400  # the HTTP status the request fails with
 
 
 def validate_stop_regex(value: object) -> list[str]:
@@ -53,12 +62,21 @@ def _compile(pattern: str) -> regex.Pattern:
     return regex.compile(pattern)
 
 
-def _search(pattern: str, text: str, start: int, partial: bool = False) -> regex.Match | None:
-    """Search with the time limit; RuntimeError naming stop_regex when a search runs over it."""
+def search_deadline() -> float:
+    """The deadline shared by one request's stop_regex searches of one step."""
+    return time.monotonic() + SEARCH_TIMEOUT_S
+
+
+def _search(pattern: str, text: str, start: int, deadline: float | None, partial: bool = False) -> regex.Match | None:
+    """Search before ``deadline`` (None: SEARCH_TIMEOUT_S from now); StopRegexTooSlow naming
+    stop_regex when it runs past it."""
+    left = SEARCH_TIMEOUT_S if deadline is None else deadline - time.monotonic()
     try:
-        return _compile(pattern).search(text, start, partial=partial, timeout=SEARCH_TIMEOUT_S)
+        if left <= 0:
+            raise TimeoutError
+        return _compile(pattern).search(text, start, partial=partial, timeout=left)
     except TimeoutError:
-        raise RuntimeError(f"stop_regex {pattern!r} took over {SEARCH_TIMEOUT_S * 1000:g} ms to search the output (catastrophic backtracking?)") from None
+        raise StopRegexTooSlow(f"stop_regex {pattern!r}: this request's stop_regex searches took over {SEARCH_TIMEOUT_S * 1000:g} ms in one step (catastrophic backtracking?)") from None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -108,11 +126,12 @@ def _search_from(pattern: str, text_len: int, new_chars: int) -> int:
     return max(0, text_len - new_chars - span)
 
 
-def find_stop_regex(text: str, new_chars: int, patterns: list[str]) -> tuple[int, int, str] | None:
-    """The earliest match ``(start, end, pattern)`` that reaches into the last ``new_chars``."""
+def find_stop_regex(text: str, new_chars: int, patterns: list[str], deadline: float | None = None) -> tuple[int, int, str] | None:
+    """The earliest match ``(start, end, pattern)`` that reaches into the last ``new_chars``
+    (every search done before ``deadline``, see ``search_deadline``)."""
     best: tuple[int, int, str] | None = None
     for p in patterns:
-        m = _search(p, text, _search_from(p, len(text), new_chars))
+        m = _search(p, text, _search_from(p, len(text), new_chars), deadline)
         if m is not None and (best is None or m.start() < best[0]):
             best = (m.start(), m.end(), p)
     return best
@@ -129,11 +148,11 @@ def partial_stop_len(text: str, stops: list[str]) -> int:
     return best
 
 
-def partial_stop_regex_len(text: str, patterns: list[str]) -> int:
+def partial_stop_regex_len(text: str, patterns: list[str], deadline: float | None = None) -> int:
     """Length of the longest end of ``text`` that could still grow into a match of a pattern."""
     hold = 0
     for p in patterns:
-        m = _search(p, text, _search_from(p, len(text), 0), partial=True)
+        m = _search(p, text, _search_from(p, len(text), 0), deadline, partial=True)
         if m is not None and m.partial:
             hold = max(hold, len(text) - m.start())
     return hold

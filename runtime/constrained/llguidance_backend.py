@@ -14,6 +14,7 @@ from radixlm.runtime.constrained.specs import (
     check_finite,
     check_refs,
     check_regex_size,
+    check_schema_patterns,
     normalize_regex,
     parse_json_schema,
     unsupported_error,
@@ -209,6 +210,7 @@ class LLGuidanceBackend(GrammarBackend):
             schema = parse_json_schema(spec)
             check_refs(schema)
             check_finite(schema)
+            check_schema_patterns(schema)
             rewrite = rewrite_schema(schema, FORMATS)
             try:
                 return LLMatcher.grammar_from_json_schema(json.dumps(rewrite.schema), overrides=dict(self.json_options)), rewrite.schema, rewrite.warnings

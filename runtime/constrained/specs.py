@@ -203,6 +203,21 @@ def check_regex_size(regex: str, what: str = "regex") -> None:
         raise GrammarError(f"{what} is too large: it expands to about {size:,} pieces, over the limit of {MAX_REGEX_SIZE:,} (MAX_REGEX_SIZE)")
 
 
+def check_schema_patterns(schema: Any) -> None:
+    """Raise GrammarError for a ``pattern`` (or ``patternProperties`` key) of a JSON schema that
+    ``check_regex_size`` refuses: the backends compile those regexes lazily, at generation time,
+    where a pattern too large to build would fail the request mid-way instead of refusing it."""
+    for key, path in iter_keywords(schema):
+        node = _at(schema, path)
+        if not isinstance(node, dict):
+            continue
+        if key == "pattern" and isinstance(node.get("pattern"), str):
+            check_regex_size(node["pattern"], f"json_schema pattern at {path}")
+        elif key == "patternProperties" and isinstance(node.get("patternProperties"), dict):
+            for regex in node["patternProperties"]:
+                check_regex_size(regex, f"json_schema patternProperties key {regex[:40]!r} at {path}")
+
+
 def check_finite(schema: Any) -> None:
     """Raise GrammarError when no finite JSON value satisfies ``schema`` (a ``$ref`` cycle that
     every instance must take, e.g. ``{"$ref": "#"}`` or a required property referring back).
