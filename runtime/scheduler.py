@@ -7,6 +7,8 @@ Each ``step``:
 3. prefill rows: unfinished prompts continue, then waiting requests are admitted in policy order
    (``lpm``: longest cached prefix first) while the chunked-prefill token budget, the request
    limit and the KV budget (free + evictable, minus headroom reserved for running decodes) allow;
+   an unfinished prompt sits the step out while others decode or a short prompt waits, for at
+   most ``--prefill-yield-share`` (0.2) of its own expected prefill time (``PrefillClock``);
 4. one forward pass over all rows (``schedule_batch``); the ``Decoder`` picks tokens where a row
    reached the end of its sequence, appends them and checks stop conditions;
 5. finished requests hand their KV to the radix tree; prompts just computed are shared at once.
@@ -35,7 +37,7 @@ from radixlm.runtime.disaggregation import Disaggregation
 from radixlm.runtime.faults import FatalEngineError, FaultInjector
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
-from radixlm.runtime.request import FinishReason, Req, ReqOutput
+from radixlm.runtime.request import ANY_SALT, FinishReason, Req, ReqOutput, same_tenant
 from radixlm.runtime.schedule_batch import Row, build_forward_batch
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.speculator import Speculator
@@ -55,7 +57,29 @@ class StepStats:
     num_decode: int = 0
     num_prefill_tokens: int = 0
     num_retracted: int = 0
+    num_prefills_paused: int = 0  # unfinished prompts that sat the step out to let others run
     forward_s: float = 0.0
+
+
+@dataclass
+class PrefillClock:
+    """Forward seconds one chunked prompt has run and sat out, which bound how long it gives way.
+
+    A prompt computed over many steps makes every step it joins last seconds. While other
+    requests decode (or a short prompt waits) it sits steps out, so theirs stay fast, but only
+    while the time it sat out is under ``share`` of its expected prefill time: its own seconds
+    so far scaled by its uncomputed tokens (an underestimate, since attention grows with the
+    prefix). So it never finishes more than about ``share`` later than it would have alone.
+    """
+
+    start: int  # KV length when its prefill began (the cached prefix)
+    run_s: float = 0.0  # forward seconds of the steps that computed a chunk of it
+    paused_s: float = 0.0  # forward seconds of the steps it sat out
+
+    def may_pause(self, computed: int, total: int, share: float) -> bool:
+        """True while the time sat out is within ``share`` of the expected prefill time."""
+        done = computed - self.start
+        return done > 0 and self.paused_s < share * self.run_s * (total - self.start) / done
 
 
 class Scheduler:
@@ -88,6 +112,9 @@ class Scheduler:
         self.prefill_tokens = 0  # prompt tokens computed, all steps
         self.speculator = Speculator(args, runner, tokenizer, kv)
         self.pd: Disaggregation | None = None  # the prefill/decode hand-over (attach_pd)
+        self.prefill_yield_share = args.prefill_yield_share
+        self.prefill_clocks: dict[Req, PrefillClock] = {}  # the unfinished prompts' clocks
+        self._paused: list[Req] = []  # unfinished prompts sitting out the step being formed
 
     def attach_pd(self, side) -> Disaggregation:
         """Make this scheduler one side of a prefill/decode pair over ``side``'s KV link."""
@@ -123,13 +150,13 @@ class Scheduler:
         """Requests holding KV: the running ones and those receiving a hand-over."""
         return self.running + (self.pd.requests() if self.pd is not None else [])
 
-    def abort(self, rid: str) -> bool:
-        """Mark a request for abortion at the next step; False if it is unknown."""
+    def abort(self, rid: str, cache_salt: Any = ANY_SALT) -> bool:
+        """Mark the request ``rid`` of tenant ``cache_salt`` for abortion at the next step; False if unknown."""
+        found = False
         for req in self.waiting + self.running:
-            if req.rid == rid and req.finish is None:
-                req.abort_requested = True
-                return True
-        return self.pd is not None and self.pd.abort(rid)
+            if req.rid == rid and req.finish is None and same_tenant(req.cache_salt, cache_salt):
+                req.abort_requested = found = True
+        return found or (self.pd is not None and self.pd.abort(rid, cache_salt))
 
     def abort_all(self, message: str, status: int | None = None) -> None:
         """End every request, e.g. at shutdown (``status``: the error it maps to, if any)."""
@@ -148,13 +175,15 @@ class Scheduler:
         self._drop_aborted("aborted by request")
         self.stats = StepStats()
         rows = self._decode_rows()
-        rows += self._prefill_rows(self.args.chunked_prefill_size)
+        rows += self._prefill_rows(self.args.chunked_prefill_size, decoding=bool(rows))
         if not rows and self.running:  # every running prompt is stuck on memory: make room
             self._retract(max(self.running, key=lambda r: r.arrival))
-            rows = self._decode_rows() + self._prefill_rows(self.args.chunked_prefill_size)
+            rows = self._decode_rows()
+            rows += self._prefill_rows(self.args.chunked_prefill_size, decoding=bool(rows))
         if not rows:
             return False
         self._run(rows)
+        self._tick_prefill_clocks(rows)
         return True
 
     def _drop_aborted(self, message: str, status: int | None = None) -> None:
@@ -229,15 +258,21 @@ class Scheduler:
             lengths[id(r)] = tree.match_prefix(r.cache_ids[: r.max_cacheable_prefix()]).length
         return sorted(ready, key=lambda r: -lengths[id(r)])  # stable: FCFS on ties
 
-    def _prefill_rows(self, budget: int) -> list[Row]:
+    def _prefill_rows(self, budget: int, decoding: bool = False) -> list[Row]:
         rows = []
         # Unfinished (chunked) prompts go first, but while others wait they get half the budget,
-        # so one long prompt never keeps new requests out for its whole prefill.
+        # so one long prompt never keeps new requests out for its whole prefill; while others
+        # decode or a short prompt waits, they sit the step out (within their PrefillClock).
         chunk_budget = max(budget // 2, self.kv.page_size) if self.waiting else budget
+        give_way = decoding or any(r.seq_len <= budget for r in self.waiting)
+        self._paused = []
         for req in self.running:
             if chunk_budget <= 0:
                 break
             if req.generating:
+                continue
+            if give_way and self._may_pause(req):
+                self._paused.append(req)
                 continue
             row = self._extend_row(req, chunk_budget)
             if row is None:
@@ -245,8 +280,24 @@ class Scheduler:
             rows.append(row)
             budget -= row.length
             chunk_budget -= row.length
-        if budget <= 0 or not self.waiting:
-            return rows
+        admitted = self._admit_rows(budget) if budget > 0 and self.waiting else []
+        budget -= sum(row.length for row in admitted)
+        if self._paused and not decoding and not any(self._completes_prompt(row) for row in admitted):
+            for req in self._paused:  # nobody to give way to after all
+                share = min(budget, chunk_budget)
+                row = self._extend_row(req, share) if share > 0 else None
+                if row is None:
+                    break
+                rows.append(row)
+                budget -= row.length
+                chunk_budget -= row.length
+            self._paused = []
+        self.stats.num_prefills_paused = len(self._paused)
+        return rows + admitted
+
+    def _admit_rows(self, budget: int) -> list[Row]:
+        """Admit waiting requests in policy order while ``budget`` and KV allow; their first rows."""
+        rows = []
         in_batch = RadixCache(lambda slots: None)  # prompts admitted this step (tokens only)
         for req in self._order_waiting():
             if budget <= 0 or len(self.running) >= self.args.max_running_requests:
@@ -277,9 +328,37 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             in_batch.insert(req.cache_ids, torch.zeros(req.seq_len, dtype=torch.int64))
-            rows.append(Row(req, state.kv_len, length, sample=self._samples(req, state.kv_len + length)))
+            row = Row(req, state.kv_len, length, sample=self._samples(req, state.kv_len + length))
+            if req.seq_len - state.kv_len > self.args.chunked_prefill_size:  # a long prompt: it may pause
+                self.prefill_clocks[req] = PrefillClock(state.kv_len)
+            rows.append(row)
             budget -= length
         return rows
+
+    @staticmethod
+    def _completes_prompt(row: Row) -> bool:
+        """True when the row computes the rest of its request's sequence (it decodes next)."""
+        return row.start + row.length >= row.req.seq_len
+
+    def _may_pause(self, req: Req) -> bool:
+        """True when an unfinished prompt may sit this step out: it is long (more than one step's
+        budget when admitted) and its clock allows it. Prompts cut short by a full step never pause."""
+        clock = self.prefill_clocks.get(req)
+        return clock is not None and clock.may_pause(req.kv.kv_len, req.seq_len, self.prefill_yield_share)
+
+    def _tick_prefill_clocks(self, rows: list[Row]) -> None:
+        """Charge the step's forward time to the prompts it computed or that sat it out."""
+        seconds = self.stats.forward_s
+        computed = {row.req for row in rows}
+        paused = set(self._paused)
+        running = set(self.running)
+        for req, clock in list(self.prefill_clocks.items()):
+            if req not in running or req.kv is None or req.generating:
+                del self.prefill_clocks[req]  # done, finished or retracted
+            elif req in paused:
+                clock.paused_s += seconds
+            elif req in computed:
+                clock.run_s += seconds
 
     def reserve_admission(self, req: Req, prefix_slots: torch.Tensor, node, new_len: int):
         """Lock a waiting request's cached prefix and reserve its slots up to ``new_len``, leaving
