@@ -7,7 +7,9 @@ many prompt tokens were computed fresh; and why the match stopped where it did:
 
 - ``evicted``: the next tokens were cached once and evicted (the eviction log names when);
 - ``tokenization_boundary``: a cached sibling spells the same text with different tokens;
-- ``cache_salt``: the prefix is cached under another ``cache_salt`` (or without one);
+- ``cache_salt``: the prefix is cached under another ``cache_salt`` (or without one): named only
+  in the operator's listing (``Engine.cache_explanations`` without a tenant, or the admin key
+  over HTTP); the request itself, which must learn nothing of other tenants, reads ``new_text``;
 - ``new_text``: nothing cached continues this prompt; ``full``: only the prompt's last token,
   which is always computed, was left; ``cache_disabled``: the radix cache is off.
 """
@@ -21,7 +23,7 @@ from typing import Any
 
 from radixlm.radix_cache.origin import path_key
 from radixlm.radix_cache.tree import RadixCache, TreeNode
-from radixlm.runtime.request import Req
+from radixlm.runtime.request import ANY_SALT, Req, same_tenant
 
 _TOKEN_MASK = (1 << 32) - 1  # a salted first token keeps its id in the low 32 bits
 _MAX_SIBLINGS = 64  # children of the stop node compared for a tokenization boundary
@@ -33,11 +35,17 @@ class CacheExplainer:
 
     def __init__(self, tokenizer, capacity: int = 256) -> None:
         self.tokenizer = tokenizer
-        self.recent: deque[dict[str, Any]] = deque(maxlen=capacity)
+        # (tenant's cache_salt, the request's explanation, what only the operator may read)
+        self.recent: deque[tuple[str | None, dict[str, Any], dict[str, Any]]] = deque(maxlen=capacity)
 
-    def last(self, n: int) -> list[dict[str, Any]]:
-        """The newest ``n`` explanations, oldest first."""
-        return list(self.recent)[-n:] if n > 0 else []
+    def last(self, n: int, cache_salt: Any = ANY_SALT) -> list[dict[str, Any]]:
+        """The newest ``n`` explanations of tenant ``cache_salt``, oldest first (``ANY_SALT``: every
+        tenant's, with what only the operator may read)."""
+        if n <= 0:
+            return []
+        if cache_salt is ANY_SALT:
+            return [_merged(info, private) for _, info, private in list(self.recent)[-n:]]
+        return [info for salt, info, _ in self.recent if same_tenant(salt, cache_salt)][-n:]
 
     def explain(self, tree: RadixCache, req: Req, last_node: TreeNode, limit: int) -> dict[str, Any]:
         """The explanation of ``req`` matched up to ``last_node`` (its cacheable limit ``limit``)."""
@@ -56,7 +64,11 @@ class CacheExplainer:
             "recomputed_after_eviction": None,
         }
         info["miss"] = self._miss(tree, req, ids, path, matched, limit, info)
-        self.recent.append(info)
+        private: dict[str, Any] = {}
+        if info["miss"]["reason"] == "cache_salt":  # another tenant's prompt: not the request's to know
+            info["miss"]["reason"] = "new_text"
+            private["miss_reason"] = "cache_salt"
+        self.recent.append((req.cache_salt, info, private))
         return info
 
     def _miss(self, tree: RadixCache, req: Req, ids: list[int], path: list[TreeNode], matched: int, limit: int, info: dict) -> dict[str, Any]:
@@ -76,15 +88,17 @@ class CacheExplainer:
         if matched == 0 and _other_salt(tree, ids):
             miss["reason"] = "cache_salt"
             return miss
-        boundary = self._boundary(path[-1] if path else tree.root, req.fill_ids, matched)
+        boundary = self._boundary(path[-1] if path else tree.root, req.fill_ids, matched, ids[0] >> 32)
         if boundary is not None:
             miss.update(reason="tokenization_boundary", **boundary)
         return miss
 
-    def _boundary(self, node: TreeNode, ids: list[int], matched: int) -> dict[str, Any] | None:
-        """A cached child spelling the same text as ``ids[matched:]`` with other tokens, if any."""
+    def _boundary(self, node: TreeNode, ids: list[int], matched: int, salt_bits: int) -> dict[str, Any] | None:
+        """A cached child spelling the same text as ``ids[matched:]`` with other tokens, if any
+        (at the root, only the request's own tenant's edges: ``salt_bits`` of the first key)."""
         rest = ids[matched:]
-        for child in list(node.children.values())[:_MAX_SIBLINGS]:
+        children = [c for c in node.children.values() if node.parent is not None or c.key[0] >> 32 == salt_bits]
+        for child in children[:_MAX_SIBLINGS]:
             key = [t & _TOKEN_MASK for t in child.key[:_TEXT_TOKENS]]
             j = 0
             while j < min(len(key), len(rest)) and key[j] == rest[j]:
@@ -102,6 +116,13 @@ class CacheExplainer:
             return self.tokenizer.decode(ids)
         except Exception:  # an id the tokenizer cannot decode: no text to compare
             return ""
+
+
+def _merged(info: dict[str, Any], private: dict[str, Any]) -> dict[str, Any]:
+    """The operator's view of an explanation: the request's, with the cross-tenant reason restored."""
+    if "miss_reason" not in private:
+        return info
+    return {**info, "miss": {**info["miss"], "reason": private["miss_reason"]}}
 
 
 def _path(tree: RadixCache, node: TreeNode) -> list[TreeNode]:

@@ -9,12 +9,16 @@ from fastapi import FastAPI, Request
 
 from radixlm.runtime.http_common import ServerState
 from radixlm.runtime.http_errors import APIError
+from radixlm.runtime.http_guard import CACHE_SALT_HEADER
+from radixlm.runtime.request import ANY_SALT
+from radixlm.runtime.tenancy import is_admin, visible_explanations
 
 MAX_LAST = 1000
 
 
 def add_routes(app: FastAPI, state: ServerState) -> None:
-    """Register the cache-explanation route on ``app`` (behind the API key, like every route)."""
+    """Register the cache-explanation route on ``app``: the admin reads every tenant's explanations;
+    any other caller its own tenant's (``X-Cache-Salt``), as counts without rids, labels or text."""
 
     @app.get("/cache_explanations")
     async def cache_explanations(request: Request) -> dict[str, Any]:
@@ -27,5 +31,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, f"last must be between 0 and {MAX_LAST}, got {last}", param="last")
         if state.engine.args.disable_cache_explain:
             raise APIError(400, "cache explanations are off on this server (--disable-cache-explain)", param="last")
-        items = await asyncio.to_thread(state.engine.cache_explanations, last)
-        return {"object": "list", "data": items}
+        admin = is_admin(request)
+        salt = request.headers.get(CACHE_SALT_HEADER) or None  # the caller's tenant (a header: never in access logs)
+        items = await asyncio.to_thread(state.engine.cache_explanations, last, ANY_SALT if admin else salt)
+        return {"object": "list", "data": visible_explanations(items, admin), "redacted": not admin}

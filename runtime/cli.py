@@ -9,6 +9,7 @@ import logging
 import sys
 
 from radixlm.runtime import explain_cli
+from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV
 from radixlm.runtime.server_args import ServerArgs
 
 
@@ -37,7 +38,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=30000, help="Port to listen on (default: 30000).")
-    p.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on every route but /health.")
+    p.add_argument("--api-key", default=None, help=f"Require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} if set). Prefer the variable: a command line is readable by every local user.")
+    p.add_argument("--admin-api-key", default=None, help=f"The key that alone opens what spans tenants: the dashboard, every tenant's cache explanations, /flush_cache, aborting any request, /get_server_info's paths (default: ${ADMIN_KEY_ENV} if set). See docs/security.md.")
+    p.add_argument("--allowed-hosts", nargs="+", default=[], metavar="HOST", help="Host header values accepted besides the bound address, localhost and the loopback addresses (against DNS rebinding); '*' accepts any. See docs/security.md.")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN", help="Browser origins (scheme://host[:port]) allowed to call the API cross-site (CORS); default: none, no CORS headers are sent.")
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # a socket the launcher bound and handed down
     p.add_argument("--max-queued-requests", type=int, default=1024, help="Requests waiting beyond this are refused with 429 (default: 1024).")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="On SIGTERM, seconds to let running requests finish while new ones get 503; streams still running then end with an error event (default: 30).")
     p.add_argument("--served-model-name", default=None, help="Model name reported by /v1/models (default: from the model path).")

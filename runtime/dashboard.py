@@ -3,8 +3,11 @@
 The state is one consistent read taken on the engine's loop thread (``Engine.dashboard_state``):
 a bounded snapshot of the radix tree, the queues and the pool counters, plus the server-side
 history (one sample per second, 10 minutes) from ``dashboard_history``. Node ages are seconds,
-derived from the tree's LRU clock; edge previews are decoded here, off the loop thread. The API
-key, when set, guards both routes like every other (``http_guard``).
+derived from the tree's LRU clock; edge previews are decoded here, off the loop thread.
+
+The dashboard spans tenants: with ``--admin-api-key`` set, both routes need that key (its
+header, or the token cookie that ``/dashboard?key=`` sets); without one, the state is served to
+any caller with the API key but redacted: sizes, ages and counts, no token text and no rids.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from fastapi.responses import HTMLResponse
 from radixlm.runtime.dashboard_history import CounterHistory, HistorySampler
 from radixlm.runtime.http_common import ServerState
 from radixlm.runtime.http_errors import APIError
+from radixlm.runtime.tenancy import is_admin, redact_dashboard
 
 MAX_NODES_LIMIT = 5000
 
@@ -77,18 +81,28 @@ def add_routes(app: FastAPI, state: ServerState) -> HistorySampler:
     sampler = HistorySampler(engine, history).start()
     started = time.time()
 
+    def check_access(request: Request) -> bool:
+        """True when the caller may read token text; 403 when an admin key is set and not sent."""
+        if state.admin_key is not None and not is_admin(request):
+            raise APIError(403, "the dashboard shows every tenant's requests: it needs the admin key (open /dashboard?key=<admin key> once, or send it as the Bearer token)")
+        return is_admin(request)
+
     @app.get("/dashboard")
-    async def dashboard() -> HTMLResponse:
+    async def dashboard(request: Request) -> HTMLResponse:
+        check_access(request)
         return HTMLResponse(page_html())
 
     @app.get("/dashboard/state")
     async def dashboard_state(request: Request) -> dict[str, Any]:
+        full = check_access(request)
         max_nodes = _int_param(request, "max_nodes", 400, 1, MAX_NODES_LIMIT)
         since = _float_param(request, "since", 0.0)
         if not engine.is_alive():
             raise APIError(503, "the engine is not running")
         snap = await asyncio.to_thread(engine.dashboard_state, max_nodes)
         history.record(snap["counters"])
+        if not full:
+            snap = redact_dashboard(snap)  # before decorating: no edge is decoded to text
         snap = await asyncio.to_thread(_decorate, snap, history, engine.tokenizer)
         snap.update(
             model=state.model_name,

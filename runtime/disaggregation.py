@@ -16,7 +16,7 @@ A request joins a pair by its ``bootstrap_room`` (the router gives the same room
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,9 +26,10 @@ from radixlm.runtime.distributed.kv_transfer import (
     KVLink,
     PrefillSender,
     SendJob,
+    link_secret,
     prompt_digest,
 )
-from radixlm.runtime.request import FinishReason, Req, ReqOutput
+from radixlm.runtime.request import ANY_SALT, FinishReason, Req, ReqOutput, same_tenant
 
 if TYPE_CHECKING:
     from radixlm.runtime.scheduler import Scheduler
@@ -41,7 +42,8 @@ def open_link_side(args: ServerArgs, runner) -> PrefillSender | DecodeReceiver:
     """The link side for ``args.disaggregation_mode`` over ``runner``'s KV pool (starts its thread)."""
     cfg, pool = runner.config, runner.kv_pool
     layout = KVLayout(cfg.num_layers, pool.num_kv_heads, pool.head_dim, runner.kv_format.name, args.page_size, pool.token_bytes(), cfg.vocab_size)
-    link = KVLink(args.disaggregation_mode, args.disaggregation_bootstrap, layout, args.disaggregation_timeout)
+    secret = link_secret(args.disaggregation_bootstrap, getattr(args, "disaggregation_secret_file", None))
+    link = KVLink(args.disaggregation_mode, args.disaggregation_bootstrap, layout, args.disaggregation_timeout, secret, pool.num_slots)
     if args.disaggregation_mode == "prefill":
         return PrefillSender(link)
     side = DecodeReceiver(link)
@@ -140,12 +142,12 @@ class Disaggregation:
                 self.side.forget(room)
                 self.sched._finish(req, FinishReason("abort", message=message, status=status))
 
-    def abort(self, rid: str) -> bool:
-        """Mark a receiving request (or cancel a prefill hand-over) for abortion; False if unknown."""
+    def abort(self, rid: str, cache_salt: Any = ANY_SALT) -> bool:
+        """Mark a receiving request of tenant ``cache_salt`` (or cancel a prefill hand-over) for abortion; False if unknown."""
         if self.role == "prefill":
             return self.side.cancel(rid, "aborted by request")
         for req in self.receiving.values():
-            if req.rid == rid and req.finish is None:
+            if req.rid == rid and req.finish is None and same_tenant(req.cache_salt, cache_salt):
                 req.abort_requested = True
                 return True
         return False

@@ -39,7 +39,7 @@ from radixlm.runtime.faults import FatalEngineError
 from radixlm.runtime.loader import resolve_model_path
 from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
-from radixlm.runtime.request import FinishReason, Req, ReqOutput
+from radixlm.runtime.request import ANY_SALT, FinishReason, Req, ReqOutput
 from radixlm.runtime.sampling_params import SamplingParams, per_sample_params
 from radixlm.runtime.scheduler import Scheduler
 from radixlm.runtime.server_args import ServerArgs
@@ -50,6 +50,7 @@ from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+_CALL_POLL_S = 0.5  # how often a caller waiting on the loop checks that it still runs
 
 
 class EngineError(RuntimeError):
@@ -123,7 +124,7 @@ class Engine:
         self._closed = False
         self._at_exit: Callable[[], object] | None = None
         self._error: BaseException | None = None
-        self._in_flight: dict[str, Req] = {}  # submitted, final output not yet delivered
+        self._in_flight: dict[tuple[str | None, str], Req] = {}  # (cache_salt, rid): submitted, final output not yet delivered
         self._in_flight_lock = threading.Lock()
         self._stopped = False  # set (under the lock) once the loop has ended
         self._check_every_step = self.args.debug_check_accounting or os.environ.get("RADIXLM_CHECK_ACCOUNTING") == "1"
@@ -205,6 +206,7 @@ class Engine:
             sched.abort_all(message, status=503)
         except Exception:
             logger.exception("aborting requests at shutdown failed")
+        self._answer_queued_calls(message)
         with self._in_flight_lock:
             left = list(self._in_flight.values())
         for req in left:  # still queued in the inbox, or lost by a failure above (the sink unregisters it)
@@ -213,6 +215,16 @@ class Engine:
                 req.sink(ReqOutput(req.rid, req.text, list(req.output_ids), {"id": req.rid, "finish_reason": req.finish.to_dict()}, True))
             except Exception:
                 logger.exception("delivering the final output of request %s failed", req.rid)
+
+    def _answer_queued_calls(self, message: str) -> None:
+        """Fail every call still in the inbox (a /metrics or dashboard read queued as the loop ended)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, tuple) and item[0] == "call" and not item[1][1].done():
+                item[1][1].set_exception(EngineError(message))
 
     @staticmethod
     def _handle(sched: Scheduler, item: tuple) -> None:
@@ -229,11 +241,17 @@ class Engine:
                 fut.set_exception(exc)
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the loop thread between steps and return its result."""
+        """Run ``fn`` on the loop thread between steps and return its result (EngineError once
+        the loop has ended: a call queued as it ends is answered, never left waiting)."""
         self._check_open()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("call", (fn, fut)))
-        return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=_CALL_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive() and not fut.done():
+                    raise EngineError("the engine loop stopped") from self._error
 
     def _check_open(self) -> None:
         if self._closed or self._stopped or not self._thread.is_alive():
@@ -315,7 +333,7 @@ class Engine:
             raise ValueError(f"prompt is {len(input_ids)} tokens; the context length is {self.context_len} (prompt must be shorter)")
         if len(input_ids) + 1 > self.runner.max_total_tokens:
             raise ValueError(f"prompt is {len(input_ids)} tokens; the KV pool holds only {self.runner.max_total_tokens}")
-        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params, self.config.vocab_size)
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params, self.config.vocab_size, self.context_len)
         params = self._check_bootstrap_room(bootstrap_room, params)
         if not isinstance(return_logprob, bool):
             raise ValueError("return_logprob must be a boolean")
@@ -327,7 +345,7 @@ class Engine:
             raise ValueError("rid must be a non-empty string")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        if rid is not None and rid in self._in_flight:
+        if rid is not None and (cache_salt, rid) in self._in_flight:
             raise ValueError(f"rid {rid!r} is already in flight")
         predicted = prediction_text(prediction)
         hints = check_cache_options(return_cache_info, program, prompt_cache_key, cache_ttl, retention, not self.args.disable_cache_explain)
@@ -351,7 +369,10 @@ class Engine:
             bootstrap_room=bootstrap_room,
         )
         if predicted:
-            req.prediction_ids = self.tokenizer(predicted[: self._max_text_chars], add_special_tokens=False).input_ids[: self.context_len]
+            # indexed on the loop thread at the first step: bounded by what the output can use
+            # (twice max_new_tokens leaves room for an output that drops parts of the prediction)
+            keep = min(self.context_len, 2 * params.max_new_tokens + 16)
+            req.prediction_ids = self.tokenizer(predicted[: self._max_text_chars], add_special_tokens=False).input_ids[:keep]
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
@@ -397,31 +418,37 @@ class Engine:
         """Queue a built request on the loop (ValueError when its rid is already in flight)."""
         deliver = req.sink
 
+        key = (req.cache_salt, req.rid)  # rids are unique per tenant: one cannot take another's
+
         def sink(out: ReqOutput) -> None:
             if out.finished:
                 with self._in_flight_lock:
-                    if self._in_flight.get(req.rid) is not req:
+                    if self._in_flight.get(key) is not req:
                         return  # already answered (the loop ended and failed it)
-                    del self._in_flight[req.rid]
+                    del self._in_flight[key]
             deliver(out)
 
         with self._in_flight_lock:
             if self._closed or self._stopped:
                 raise EngineError("the engine has been shut down" if self._closed else "the engine loop stopped")
-            if req.rid in self._in_flight:
+            if key in self._in_flight:
                 raise ValueError(f"rid {req.rid!r} is already in flight")
-            self._in_flight[req.rid] = req
+            self._in_flight[key] = req
             req.sink = sink
         self._inbox.put(("add", req))
 
-    def abort(self, rid: str) -> bool:
-        """Abort a waiting or running request; False if no such request is in flight."""
-        return self._call(lambda: self.scheduler.abort(rid))
+    def abort(self, rid: str, cache_salt: Any = ANY_SALT) -> bool:
+        """Abort a waiting or running request; False if no such request is in flight.
 
-    def abort_nowait(self, rid: str) -> None:
+        ``cache_salt`` limits the abort to that tenant's request (None: requests without a salt);
+        by default the request with this rid is aborted whatever its salt.
+        """
+        return self._call(lambda: self.scheduler.abort(rid, cache_salt))
+
+    def abort_nowait(self, rid: str, cache_salt: Any = ANY_SALT) -> None:
         """Ask the loop to abort a request, without waiting (safe from an event loop)."""
         if self.is_alive():
-            self._inbox.put(("call", (lambda: self.scheduler.abort(rid), concurrent.futures.Future())))
+            self._inbox.put(("call", (lambda: self.scheduler.abort(rid, cache_salt), concurrent.futures.Future())))
 
     async def start_request(self, **kwargs: Any) -> tuple[Req, asyncio.Queue]:
         """Validate, compile the constraint of, and queue one request; outputs arrive on the queue."""
@@ -468,7 +495,7 @@ class Engine:
             req = self.make_request(q.put, stream=True, **items[0], **common)
             self.attach_grammar(req)
             self.submit(req)
-            return self._stream_sync(q, req.rid)
+            return self._stream_sync(q, req.rid, req.cache_salt)
         queues = [queue.Queue() for _ in items]
         reqs = [self.make_request(q.put, **item, **common) for q, item in zip(queues, items)]
         for req in reqs:
@@ -491,7 +518,7 @@ class Engine:
             if out.finished:
                 return out
 
-    def _stream_sync(self, q: queue.Queue, rid: str) -> Iterator[dict[str, Any]]:
+    def _stream_sync(self, q: queue.Queue, rid: str, cache_salt: str | None) -> Iterator[dict[str, Any]]:
         try:
             while True:
                 try:
@@ -504,7 +531,7 @@ class Engine:
                 if out.finished:
                     return
         finally:
-            self.abort_nowait(rid)
+            self.abort_nowait(rid, cache_salt)
 
     async def async_generate(
         self,
@@ -537,7 +564,7 @@ class Engine:
         for req in reqs:
             self.submit(req)
         if stream:
-            return self._stream_async(queues[0], reqs[0].rid)
+            return self._stream_async(queues[0], reqs[0].rid, reqs[0].cache_salt)
         results = [_to_dict(await self._await_final(q)) for q in queues]
         return results if batch or len(results) > 1 else results[0]
 
@@ -547,7 +574,7 @@ class Engine:
             if out.finished:
                 return out
 
-    async def _stream_async(self, q: asyncio.Queue, rid: str) -> AsyncIterator[dict[str, Any]]:
+    async def _stream_async(self, q: asyncio.Queue, rid: str, cache_salt: str | None) -> AsyncIterator[dict[str, Any]]:
         finished = False
         try:
             while True:
@@ -558,7 +585,7 @@ class Engine:
                     return
         finally:
             if not finished:
-                self.abort_nowait(rid)
+                self.abort_nowait(rid, cache_salt)
 
     def _split_batch(self, prompt, input_ids, sampling_params) -> tuple[bool, list[dict[str, Any]]]:
         if (prompt is None) == (input_ids is None):
@@ -614,12 +641,13 @@ class Engine:
 
         return self._call(stats)
 
-    def cache_explanations(self, last: int = 20) -> list[dict[str, Any]]:
-        """The cache explanations of the last ``last`` admitted requests, oldest first."""
+    def cache_explanations(self, last: int = 20, cache_salt: Any = ANY_SALT) -> list[dict[str, Any]]:
+        """The cache explanations of the last ``last`` admitted requests, oldest first: of tenant
+        ``cache_salt`` only (None: requests without a salt), or by default every tenant's."""
         if not isinstance(last, int) or isinstance(last, bool) or last < 0:
             raise ValueError(f"last must be an integer >= 0, got {last!r}")
         explainer = self.scheduler.explainer
-        return self._call(lambda: explainer.last(last)) if explainer is not None else []
+        return self._call(lambda: explainer.last(last, cache_salt)) if explainer is not None else []
 
     def dashboard_counters(self) -> dict[str, Any]:
         """Pool usage and cumulative counters for the dashboard's history, read on the loop thread."""
@@ -656,13 +684,29 @@ class Engine:
         self._call(self.scheduler.check_accounting)
 
     def kv_invariant_holds(self) -> bool:
-        """``check_accounting`` as a boolean (for the server's info route)."""
+        """``check_accounting`` as a boolean."""
         try:
             self.check_accounting()
             return True
         except AssertionError:
             logger.exception("KV accounting broken")
             return False
+
+    def kv_invariant_holds_when_idle(self) -> bool | None:
+        """``kv_invariant_holds`` when nothing runs or waits, else None (not checked): the full
+        check walks the whole pool on the loop thread, which must not stall decoding."""
+
+        def check() -> bool | None:
+            if not self.scheduler.idle():
+                return None
+            try:
+                self.scheduler.check_accounting()
+                return True
+            except AssertionError:
+                logger.exception("KV accounting broken")
+                return False
+
+        return self._call(check)
 
     def flush_cache(self) -> bool:
         """Empty the radix cache (and speculation's recent outputs); False (nothing done) while requests are in flight."""

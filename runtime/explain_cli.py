@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--base-url", required=True, help="The server, e.g. http://127.0.0.1:30000.")
     p.add_argument("--last", type=int, default=10, help="How many of the latest requests to explain (default: 10).")
-    p.add_argument("--api-key", default=None, help="The server's API key, if it has one.")
+    p.add_argument("--api-key", default=None, help="The server's key (default: $RADIXLM_ADMIN_API_KEY, else $RADIXLM_API_KEY; prefer the variables, a command line is readable by every local user). Only the admin key shows every tenant's requests with their rids and labels; another key shows counts.")
+    p.add_argument("--cache-salt", default=None, help="With a non-admin key: explain the requests of this cache_salt (default: those without one).")
     p.add_argument("--json", action="store_true", help="Print the raw JSON instead of text.")
     p.add_argument("--log-level", default="warning", help=argparse.SUPPRESS)
 
@@ -39,7 +40,12 @@ def run(ns: argparse.Namespace) -> int:
 
     if ns.last < 0:
         raise ValueError(f"--last must be >= 0, got {ns.last}")
-    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, resolve_key
+
+    key = resolve_key(ns.api_key, ADMIN_KEY_ENV, "--api-key") or resolve_key(None, API_KEY_ENV, "--api-key")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if ns.cache_salt:
+        headers["X-Cache-Salt"] = ns.cache_salt
     try:
         resp = httpx.get(ns.base_url.rstrip("/") + "/cache_explanations", params={"last": ns.last}, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
@@ -74,17 +80,17 @@ def _when(t: float | None) -> str:
 def _label(rid: str | None, program: str | None, key: str | None) -> str:
     extra = [f"program {program}"] if program else []
     extra += [f"prompt_cache_key {key}"] if key else []
-    return f"{rid}" + (f" ({', '.join(extra)})" if extra else "")
+    return (rid or "(hidden)") + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _format_one(info: dict[str, Any]) -> str:
     lines = [
-        f"request {_label(info['rid'], info.get('program'), info.get('prompt_cache_key'))} at {_when(info.get('time'))}: "
+        f"request {_label(info.get('rid'), info.get('program'), info.get('prompt_cache_key'))} at {_when(info.get('time'))}: "
         f"{info['prompt_tokens']} prompt tokens, {info['cached_tokens']} cached, {info['fresh_tokens']} computed fresh"
     ]
     for seg in info["segments"]:
         lines.append(
-            f"  tokens [{seg['start']}, {seg['end']}) from request {_label(seg['origin_rid'], seg.get('program'), seg.get('prompt_cache_key'))}, "
+            f"  tokens [{seg['start']}, {seg['end']}) from request {_label(seg.get('origin_rid'), seg.get('program'), seg.get('prompt_cache_key'))}, "
             f"computed at {_when(seg.get('created'))}, reused by {seg['reuse_count']} request(s)"
         )
     miss = info["miss"]

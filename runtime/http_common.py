@@ -17,8 +17,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixlm.runtime.constrained.compiler import GrammarBusy
+from radixlm.runtime.dashboard_token import DashboardTokens
 from radixlm.runtime.engine import Engine, EngineError
-from radixlm.runtime.http_errors import APIError, bad_request, error_body
+from radixlm.runtime.http_errors import APIError, bad_request, error_body, field_of
+from radixlm.runtime.http_origin import OriginPolicy
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.request import ReqOutput
 
@@ -32,10 +34,24 @@ class ServerState:
     model_name: str
     api_key: str | None
     max_in_flight: int
+    admin_key: str | None = None
+    origins: OriginPolicy = field(default_factory=OriginPolicy)
+    tokens: DashboardTokens = field(default_factory=DashboardTokens)
     in_flight: int = 0
     shutting_down: bool = False
-    rids: set[str] = field(default_factory=set)  # client-given rids of requests in flight
+    rids: set[tuple[str | None, str]] = field(default_factory=set)  # (cache_salt, client-given rid) in flight
     drain_expired: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def open_server(self) -> bool:
+        """True when the server has no key at all (every caller may do everything but read others' text)."""
+        return self.api_key is None and self.admin_key is None
+
+    def check_fits(self, count: int, param: str = "n") -> None:
+        """Raise 400 when ``count`` generations could never be admitted at once: checked before
+        anything is built for them (``n`` = 2**63 must cost nothing)."""
+        if count > self.max_in_flight:
+            raise APIError(400, f"{param}: this asks for {count} generations; the server runs at most {self.max_in_flight} at once", param=param)
 
     def admit(self, count: int = 1, param: str = "n") -> None:
         """Reserve room for ``count`` requests or raise 400 (never fits), 429 (full) or 503."""
@@ -43,8 +59,7 @@ class ServerState:
             raise APIError(503, "the server is shutting down")
         if not self.engine.is_alive():
             raise APIError(503, "the engine is not running")
-        if count > self.max_in_flight:
-            raise APIError(400, f"{param}: this asks for {count} generations; the server runs at most {self.max_in_flight} at once", param=param)
+        self.check_fits(count, param)
         if self.in_flight + count > self.max_in_flight:
             raise APIError(429, f"too many requests in flight ({self.in_flight}); retry later")
         self.in_flight += count
@@ -57,19 +72,19 @@ class ServerState:
 class Ticket:
     """One handler's reservation: admission slots, its client-given rids and the requests it started."""
 
-    def __init__(self, state: ServerState, count: int, rids: list[str], param: str) -> None:
+    def __init__(self, state: ServerState, count: int, rids: list[str], param: str, cache_salt: str | None = None) -> None:
         state.admit(count, param)
         self.state, self.count = state, count
         self.started: list[tuple[Any, asyncio.Queue]] = []
         self.finished: set[str] = set()
-        self.rids: list[str] = []
+        self.rids: list[tuple[str | None, str]] = []
         self._closed = False
         try:
             taken = set()
-            for rid in rids:
-                if rid in state.rids or rid in taken:
+            for rid in rids:  # rids are scoped by tenant (cache_salt): another tenant cannot take yours
+                if (cache_salt, rid) in state.rids or (cache_salt, rid) in taken:
                     raise APIError(400, f"rid {rid!r} is already in flight", param="rid")
-                taken.add(rid)
+                taken.add((cache_salt, rid))
         except BaseException:
             self.close()
             raise
@@ -110,9 +125,13 @@ class Ticket:
         self._closed = True
         for req, _ in self.started:
             if req.rid not in self.finished:
-                self.state.engine.abort_nowait(req.rid)
+                self.state.engine.abort_nowait(req.rid, req.cache_salt)
         self.state.release(self.count)
         self.state.rids.difference_update(self.rids)
+
+
+class ClientGone(Exception):
+    """The client went away before its answer was ready (its requests are aborted; nobody reads a reply)."""
 
 
 def failure(outs: list[ReqOutput]) -> APIError | None:
@@ -121,7 +140,8 @@ def failure(outs: list[ReqOutput]) -> APIError | None:
         fr = out.meta_info.get("finish_reason") or {}
         status = fr.get("status")
         if status:
-            return APIError(int(status), fr.get("message") or "the request failed")
+            message = fr.get("message") or "the request failed"
+            return APIError(int(status), message, param=field_of(message) if 400 <= int(status) < 500 else None)
     return None
 
 
@@ -157,10 +177,13 @@ async def wait_final(ticket: Ticket, request: Request) -> list[ReqOutput]:
             if state.drain_expired.is_set():
                 raise drained_error()
             if await request.is_disconnected():
-                raise asyncio.CancelledError
+                raise ClientGone
     finally:
         if not waiter.done():
             waiter.cancel()
+            # the gather ends with the cancellation as its exception: read it, or asyncio logs
+            # "exception was never retrieved" with a traceback for every client that left
+            waiter.add_done_callback(lambda f: f.cancelled() or f.exception())
         ticket.close()
 
 

@@ -19,7 +19,7 @@ _KNOWN_FIELDS = accepted_keys() | {
     "prompt", "text", "input_ids", "messages", "top_logprobs_num", "logprob_start_len", "return_logprob", "rid", "n",
     "max_tokens", "max_completion_tokens", "cache_salt", "tools", "tool_choice", "response_format", "logit_bias", "best_of", "suffix",
 }
-_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+_KINDS = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):
@@ -42,11 +42,16 @@ def error_response(status: int, message: str, param: str | None = None, code: in
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+def field_of(message: str) -> str | None:
+    """The request field a message starts with (``"stop_regex ..."`` -> ``stop_regex``), if known."""
+    m = _FIELD.match(message)
+    return m.group(1) if m and m.group(1) in _KNOWN_FIELDS else None
+
+
 def bad_request(exc: Exception, default_param: str | None = None) -> APIError:
     """A 400 for an error found while validating, naming the field when the message starts with one."""
     message = str(exc) or type(exc).__name__
-    m = _FIELD.match(message)
-    param = m.group(1) if m and m.group(1) in _KNOWN_FIELDS else default_param
+    param = field_of(message) or default_param
     if param is not None and param == default_param and not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(400, message, param=param)

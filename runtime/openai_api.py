@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,7 @@ def _plan_completion(state: ServerState, body: CompletionRequest) -> _Plan:
         texts = [None] * len(p)
     else:
         raise APIError(400, "prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+    state.check_fits(len(texts) * body.n, "n" if body.n > 1 else "prompt")  # before any prompt is tokenized
     prompts = []
     for i, t in enumerate(texts):
         ids = _tokenize(engine, t, "prompt") if t is not None else list(p[i])
@@ -303,10 +305,25 @@ async def _start(ticket: Ticket, plan: _Plan) -> list[tuple[int, Any, Any]]:
     return started
 
 
+_GRAMMAR_ERROR = re.compile(r"^(?:\w+: )?invalid (?:ebnf|json_schema): (?:at \d+\(\d+\): )?(?:failed to compile JSON schema: )?(.*)$", re.S)
+_GRAMMAR_LINES = re.compile(r"\n\s*\d+ \|.*", re.S)  # the compiler's echo of our internal grammar
+
+
+def _tool_error(err: APIError) -> APIError:
+    """A grammar error of a tool call constraint, said of ``tools`` (what the client sent),
+    without the internal grammar the tools were compiled into."""
+    m = _GRAMMAR_ERROR.match(err.message)
+    if m is None and not err.message.startswith(("json_schema: ", "ebnf: ")):
+        return err
+    detail = m.group(1) if m is not None else err.message.split(": ", 1)[1]
+    detail = _GRAMMAR_LINES.sub("", detail).strip()
+    return APIError(err.status, f"tools: a function's parameters are not a usable JSON schema: {detail}", param="tools", code=err.code)
+
+
 def _field_error(err: APIError, plan: _Plan) -> APIError:
     """Rename engine-side fields to the OpenAI request's (json_schema -> tools, ...)."""
-    if err.param in ("json_schema", "ebnf") and plan.tool_mode:
-        err.param = "tools"
+    if plan.tool_mode and err.param in ("json_schema", "ebnf", "messages"):
+        return _tool_error(err)
     elif err.param == "json_schema" and plan.chat:
         err.param = "response_format"
     elif err.param == "max_new_tokens":

@@ -26,6 +26,11 @@ Number = StrictInt | StrictFloat
 Label = Annotated[str, Field(min_length=1, max_length=256)]  # program names, prompt_cache_key
 CacheTTL = Annotated[Number, Field(gt=0, le=86400)]  # seconds a retention hint asks for
 BootstrapRoom = Annotated[StrictInt, Field(ge=0, lt=2**63)]  # prefill/decode pairing id
+# Counts a request may carry (each is also bounded by the context length once rendered): one
+# request must not make the server build millions of objects before it is refused.
+MAX_MESSAGES = 4096
+MAX_TOOLS = 512
+MAX_CONTENT_PARTS = 1024
 
 
 class _Lenient(BaseModel):
@@ -49,7 +54,7 @@ class Prediction(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["content"]
-    content: str | list[ContentPart]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
     def text(self) -> str:
         """The predicted text (parts joined)."""
@@ -173,9 +178,9 @@ class ChatMessage(_Lenient):
     """One chat message."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     tool_call_id: str | None = None
     cache_control: CacheControl | None = None
 
@@ -212,7 +217,7 @@ class _SamplingFields(_Lenient):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: dict[str, Any] | str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Number] | None = None
     best_of: StrictInt | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # share cached KV only within a salt
     prompt_cache_key: Label | None = None  # OpenAI's session grouping key (shown in cache explanations)
@@ -234,14 +239,14 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: NonNegInt | None = None
     max_completion_tokens: NonNegInt | None = None
     max_reasoning_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # reasoning models: the most tokens of the reasoning section
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
 

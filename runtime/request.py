@@ -14,6 +14,13 @@ from radixlm.radix_cache.manager import KVState
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
 
+ANY_SALT: Any = type("AnySalt", (), {"__repr__": lambda self: "ANY_SALT"})()  # abort: whichever tenant owns the rid
+
+
+def same_tenant(req_salt: str | None, salt: Any) -> bool:
+    """True when a request with ``req_salt`` belongs to the tenant ``salt`` (``ANY_SALT``: every tenant)."""
+    return salt is ANY_SALT or req_salt == salt
+
 
 def salt_offset(salt: str) -> int:
     """A key offset for ``salt``: past every token id (< 2**32), the same for the same salt."""

@@ -9,7 +9,9 @@ A client that goes away (streaming or not) has its request aborted, which frees 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,11 +19,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.runtime.engine import Engine
 from radixlm.runtime.http_body import json_object, read_model, request_schema
 from radixlm.runtime.http_common import (
+    ClientGone,
     ServerState,
     Ticket,
     drained_error,
@@ -37,18 +41,34 @@ from radixlm.runtime.http_errors import (
     error_response,
     validation_error,
 )
-from radixlm.runtime.http_guard import Guard
+from radixlm.runtime.http_guard import CACHE_SALT_HEADER, Guard, RedactKeyFilter
+from radixlm.runtime.http_origin import OriginPolicy
 from radixlm.runtime.metrics import ServerMetrics
-from radixlm.runtime.protocol import GenerateRequest
+from radixlm.runtime.protocol import MAX_MESSAGES, MAX_TOOLS, GenerateRequest
+from radixlm.runtime.request import ANY_SALT
 from radixlm.runtime.sampling_params import per_sample_params
+from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, resolve_key
+from radixlm.runtime.tenancy import is_admin, redact_paths, require_admin
 from radixlm.runtime.tokenizer import apply_chat_template
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: int = 1024, served_model_name: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``."""
+def create_app(
+    engine: Engine,
+    api_key: str | None = None,
+    max_queued_requests: int = 1024,
+    served_model_name: str | None = None,
+    admin_api_key: str | None = None,
+    allowed_hosts: list[str] | tuple[str, ...] = (),
+    allowed_origins: list[str] | tuple[str, ...] = (),
+) -> FastAPI:
+    """The FastAPI app serving ``engine`` (docs/security.md says what each key and list opens)."""
     from radixlm.runtime import cache_routes, dashboard, openai_api
+
+    if api_key is not None and admin_api_key is not None and hmac.compare_digest(api_key, admin_api_key):
+        raise ValueError("--admin-api-key must differ from --api-key (the admin key opens every tenant's data)")
+    origins = OriginPolicy.from_options(allowed_hosts, allowed_origins)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -56,11 +76,13 @@ def create_app(engine: Engine, api_key: str | None = None, max_queued_requests: 
         state.shutting_down = True
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="radixlm", lifespan=lifespan)
+    app = FastAPI(title="radixlm", lifespan=lifespan, redirect_slashes=False)  # "/generate/" is a 404, not a 307
     name = served_model_name or engine.model_path.rstrip("/").split("/")[-1]
-    state = ServerState(engine, ServerMetrics(), name, api_key, max_queued_requests + engine.args.max_running_requests)
+    state = ServerState(engine, ServerMetrics(), name, api_key, max_queued_requests + engine.args.max_running_requests, admin_key=admin_api_key, origins=origins)
     app.state.radixlm = state
     app.add_middleware(Guard, state=state)
+    if origins.allowed_origins:  # outermost: preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins.allowed_origins), allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type", CACHE_SALT_HEADER])
     _add_error_handlers(app)
     _add_native_routes(app, state)
     openai_api.add_routes(app, state)
@@ -75,6 +97,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody is there to read it
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -92,6 +118,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if not engine.is_alive():
             return error_response(503, "the engine is not running")
+        if state.shutting_down:  # a load balancer must stop sending work here
+            return error_response(503, "the server is draining (shutting down)")
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -113,20 +141,25 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         return Response(status_code=200)
 
     @app.get("/get_model_info")
-    async def model_info() -> dict[str, Any]:
+    async def model_info(request: Request) -> dict[str, Any]:
         cfg = engine.config
-        return {"model_path": engine.model_path, "tokenizer_path": engine.args.tokenizer_path or engine.model_path, "is_generation": True, "architecture": cfg.architecture, "context_length": engine.context_len, "vocab_size": cfg.vocab_size}
+        admin = is_admin(request)
+        paths = {"model_path": engine.model_path, "tokenizer_path": engine.args.tokenizer_path or engine.model_path}
+        return {**(paths if admin else redact_paths(paths)), "is_generation": True, "architecture": cfg.architecture, "context_length": engine.context_len, "vocab_size": cfg.vocab_size}
 
     @app.get("/get_server_info")
     @app.get("/server_info")  # SGLang's newer name: the same body
-    async def server_info() -> dict[str, Any]:
+    async def server_info(request: Request) -> dict[str, Any]:
         stats = await asyncio.to_thread(engine.get_stats)
-        stats["kv_invariant_holds"] = await asyncio.to_thread(engine.kv_invariant_holds)
+        # the full KV check walks the whole pool on the loop thread: only while nothing runs
+        stats["kv_invariant_holds"] = await asyncio.to_thread(engine.kv_invariant_holds_when_idle)
         stats["in_flight"] = state.in_flight
-        return {**vars(engine.args), "served_model_name": state.model_name, "stats": stats}
+        args = vars(engine.args) if is_admin(request) else redact_paths(vars(engine.args))
+        return {**args, "served_model_name": state.model_name, "stats": stats}
 
     @app.post("/flush_cache")
-    async def flush_cache() -> Response:
+    async def flush_cache(request: Request) -> Response:
+        require_admin(request, state, "/flush_cache empties every tenant's cache")
         if not await asyncio.to_thread(engine.flush_cache):
             raise APIError(400, "cannot flush the cache while requests are in flight")
         return Response("cache flushed", status_code=200)
@@ -160,11 +193,18 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
+        """Abort one of the caller's requests: the rid within its ``cache_salt`` (the admin key: any)."""
         body = await json_object(request)
-        rid = body.get("rid")
-        if not isinstance(rid, str):
-            raise APIError(400, "rid must be a string", param="rid")
-        return {"rid": rid, "aborted": await asyncio.to_thread(engine.abort, rid)}
+        rid, salt = body.get("rid"), body.get("cache_salt")
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, "rid must be a non-empty string", param="rid")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise APIError(400, "cache_salt must be a non-empty string", param="cache_salt")
+        extra = sorted(set(body) - {"rid", "cache_salt"})
+        if extra:
+            raise APIError(400, f"unknown field {extra[0]!r} (this route takes rid and cache_salt)", param=extra[0])
+        scope = ANY_SALT if is_admin(request) and "cache_salt" not in body else salt
+        return {"rid": rid, "aborted": await asyncio.to_thread(engine.abort, rid, scope)}
 
     @app.post("/apply_chat_template")
     async def chat_template(request: Request) -> dict[str, Any]:
@@ -173,6 +213,11 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
             raise APIError(400, "messages must be a list of {role, content} objects", param="messages")
+        if len(messages) > MAX_MESSAGES:
+            raise APIError(400, f"messages: at most {MAX_MESSAGES} messages, got {len(messages)}", param="messages")
+        tools = body.get("tools")
+        if tools is not None and (not isinstance(tools, list) or len(tools) > MAX_TOOLS):
+            raise APIError(400, f"tools must be a list of at most {MAX_TOOLS} tools", param="tools")
         try:
             text = await asyncio.to_thread(apply_chat_template, engine.tokenizer, messages, tools=body.get("tools"), add_generation_prompt=bool(body.get("add_generation_prompt", True)))
         except Exception as exc:
@@ -187,6 +232,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         batch = isinstance(prompt, list)
         if not (isinstance(prompt, str) or (batch and all(isinstance(p, str) for p in prompt))):
             raise APIError(400, "prompt must be a string or a list of strings", param="prompt")
+        if batch and len(prompt) > state.max_in_flight:
+            raise APIError(400, f"prompt: at most {state.max_in_flight} prompts at once, got {len(prompt)}", param="prompt")
         special = body.get("add_special_tokens", True)
         if not isinstance(special, bool):
             raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
@@ -199,6 +246,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if not engine.is_alive():
+            return error_response(503, "the engine is not running")
         stats = await asyncio.to_thread(engine.get_stats)
         return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
 
@@ -225,9 +274,11 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
         raise APIError(400, "sampling_params and rid lists need one entry per prompt", param="sampling_params")
     if body.stream and batch:
         raise APIError(400, "stream takes a single prompt", param="stream")
+    state.check_fits(n, key)
+    state.check_fits(sum(_sample_count(sp) for sp in params), "n")  # before n copies are built
     jobs = _samples(prompts, params, rids, body.stream)
     sampled = len(jobs) > n
-    ticket = Ticket(state, len(jobs), [r for _, _, r in jobs if r is not None], "n" if sampled else key)
+    ticket = Ticket(state, len(jobs), [r for _, _, r in jobs if r is not None], "n" if sampled else key, body.cache_salt)
     handed_off = False
     try:
         for prompt, sp, rid in jobs:
@@ -259,6 +310,16 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
             ticket.close()
     results = [{"text": o.text, "output_ids": o.output_ids, "meta_info": o.meta_info} for o in outs]
     return JSONResponse(results if batch or sampled else results[0])
+
+
+def _sample_count(params: Any) -> int:
+    """How many samples one prompt's params ask for (``n``), read without building anything."""
+    n = params.get("n") if isinstance(params, dict) else None
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise APIError(400, f"n must be an integer >= 1, got {n!r}", param="n")
+    return n
 
 
 def _samples(prompts: list, params: list, rids: list, stream: bool) -> list[tuple[Any, Any, str | None]]:
@@ -304,10 +365,15 @@ def run_server(ns) -> int:
 
     if ns.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {ns.drain_timeout}")
+    api_key = resolve_key(ns.api_key, API_KEY_ENV, "--api-key")
+    admin_key = resolve_key(ns.admin_api_key, ADMIN_KEY_ENV, "--admin-api-key")
+    OriginPolicy.from_options(ns.allowed_hosts, ns.allowed_origins)  # refused before the model loads
+    sock = _inherited_socket(ns.listen_fd) if ns.listen_fd is not None else None
     args = ServerArgs.from_cli(ns)
     engine = Engine(**vars(args))
-    app = create_app(engine, api_key=ns.api_key, max_queued_requests=ns.max_queued_requests, served_model_name=ns.served_model_name)
+    app = create_app(engine, api_key=api_key, max_queued_requests=ns.max_queued_requests, served_model_name=ns.served_model_name, admin_api_key=admin_key, allowed_hosts=ns.allowed_hosts, allowed_origins=ns.allowed_origins)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    logging.getLogger("uvicorn.access").addFilter(RedactKeyFilter())
     state: ServerState = app.state.radixlm
 
     class _Server(uvicorn.Server):
@@ -337,10 +403,22 @@ def run_server(ns) -> int:
 
     died = threading.Event()
     threading.Thread(target=watch_engine, name="radixlm-engine-watch", daemon=True).start()
-    print(f"radixlm serving {engine.model_path} on http://{ns.host}:{ns.port}", flush=True)
-    server.run()
+    where = "http://{}:{}".format(*sock.getsockname()[:2]) if sock is not None else f"http://{ns.host}:{ns.port}"
+    print(f"radixlm serving {engine.model_path} on {where}", flush=True)
+    server.run(sockets=[sock] if sock is not None else None)
     engine.shutdown()
     return 1 if died.is_set() else 0
+
+
+def _inherited_socket(fd: int) -> socket.socket:
+    """The listening TCP socket a launcher bound and handed down as ``fd`` (ValueError otherwise)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ValueError(f"--listen-fd {fd} is not an open socket: {exc}") from None
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6) or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        raise ValueError(f"--listen-fd {fd} is not a listening TCP socket")
+    return sock
 
 
 async def _drain(state: ServerState, timeout: float, forced: Callable[[], bool]) -> None:

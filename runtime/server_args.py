@@ -38,6 +38,7 @@ class ServerArgs:
     page_size: int = _opt(1, "Tokens per KV page; the radix cache shares whole pages.")
     max_running_requests: int = _opt(128, "Most requests decoding at once.")
     chunked_prefill_size: int = _opt(512, "Most prompt tokens computed in one step (longer prompts are split).")
+    prefill_yield_share: float = _opt(0.2, "A prompt longer than one chunk sits steps out while others decode or a short prompt waits, for at most this share of its own expected prefill time (so a huge prompt cannot stall everyone, nor be starved); 0 turns this off. See benchmarks/results/long_prompt.md.")
     schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first) or fcfs.", choices=["lpm", "fcfs"])
     disable_radix_cache: bool = _opt(False, "Do not share KV between requests (for ablations).")
     disable_cache_explain: bool = _opt(False, "Do not record who computed each cached prefix nor explain cache hits (for measuring its cost).")
@@ -61,6 +62,7 @@ class ServerArgs:
     speculative_draft_quantization: str | None = _opt(None, "With --speculative-algorithm draft: quantize the draft model's weights to int8 or int4 (default for a self-draft: int4).", choices=[None, "int8", "int4"])
     disaggregation_mode: str | None = _opt(None, "Prefill/decode disaggregation: prefill (compute prompts and hand their KV to a decode worker) or decode (take prompts' KV from a prefill worker, then decode); requests join a pair through radixlm router --pd-disaggregation. Default: off (one engine does both).", choices=[None, "prefill", "decode"])
     disaggregation_bootstrap: str | None = _opt(None, "With --disaggregation-mode: HOST:PORT of the KV link; the prefill worker listens there, the decode worker connects there.")
+    disaggregation_secret_file: str | None = _opt(None, "With --disaggregation-mode: a file of this user's (mode 600) holding the secret both workers sign the KV link's records with. Default: $RADIXLM_KV_SECRET; else, on a loopback bootstrap, a per-user file in the radixlm cache; required beyond loopback.")
     disaggregation_timeout: float = _opt(60.0, "Seconds one side of a prefill/decode pair waits for the other's half of a request before failing it.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
@@ -107,6 +109,8 @@ class ServerArgs:
             raise ValueError(f"context_length ({self.context_length}) must be at least page_size ({self.page_size})")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be at least page_size ({self.page_size})")
+        if not isinstance(self.prefill_yield_share, (int, float)) or isinstance(self.prefill_yield_share, bool) or not 0 <= self.prefill_yield_share <= 1:
+            raise ValueError(f"prefill_yield_share must be a number in [0, 1], got {self.prefill_yield_share!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._validate_speculative()

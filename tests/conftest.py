@@ -112,10 +112,11 @@ def tiny_client(tiny_server):
 
 @pytest.fixture(scope="session")
 def keyed_server(tiny_llama: str):
-    """``radixlm serve`` of the tiny Llama with ``--api-key API_KEY`` (served as "tiny"), shared by the session."""
-    from helpers import ServerProcess
+    """``radixlm serve`` of the tiny Llama with the API key API_KEY and the admin key ADMIN_KEY,
+    both from the environment (never on argv) (served as "tiny"), shared by the session."""
+    from helpers import ADMIN_KEY, ServerProcess
 
-    server = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--api-key", API_KEY, "--served-model-name", "tiny")
+    server = ServerProcess(tiny_llama, "--max-total-tokens", "2048", "--served-model-name", "tiny", env={"RADIXLM_API_KEY": API_KEY, "RADIXLM_ADMIN_API_KEY": ADMIN_KEY})
     yield server
     assert server.stop() == 0, "the keyed server did not exit cleanly"
 

@@ -28,6 +28,7 @@ _CORPUS = [
 
 
 API_KEY = "sekret"  # the key of the session's shared ``keyed_server`` (tests/conftest.py)
+ADMIN_KEY = "admin-sekret"  # its admin key (given through $RADIXLM_ADMIN_API_KEY, never on argv)
 
 def make_tokenizer(folder: Path) -> None:
     """Train a small byte-level BPE tokenizer with chat tokens and save it as a HF fast tokenizer."""
@@ -214,7 +215,8 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [str(Path(sys.executable).parent / "radixlm"), "serve", "--model-path", model_path, "--port", str(self.port), *extra]
         self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"radixlm-server-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "RADIXLM_NUM_THREADS": "1", **(env or {})})
+        inherited = {k: v for k, v in os.environ.items() if k not in ("RADIXLM_API_KEY", "RADIXLM_ADMIN_API_KEY")}  # keys only when given
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**inherited, "RADIXLM_NUM_THREADS": "1", **(env or {})})
         try:
             self.wait_healthy()
         except BaseException:  # a server that never came up must not outlive the test

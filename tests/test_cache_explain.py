@@ -128,14 +128,20 @@ def test_full_prompt_hit_reports_full_and_two_origins_as_two_segments(engine):
     assert again["miss"]["reason"] == "full"
 
 
-def test_different_cache_salt_is_named_as_the_reason(engine):
+def test_another_salt_is_named_to_the_operator_but_never_to_the_request(engine):
     assert engine.flush_cache()
     fresh_prefix = list(range(200, 240))  # never cached unsalted, so never evicted either
     _info(engine, fresh_prefix + [1], cache_salt="tenant-a")
     other = _info(engine, fresh_prefix + [2], cache_salt="tenant-b")
     plain = _info(engine, fresh_prefix + [3])
-    assert other["cached_tokens"] == 0 and other["miss"]["reason"] == "cache_salt"
-    assert plain["miss"]["reason"] == "cache_salt"
+    # the requests learn nothing of tenant a's prompt
+    assert other["cached_tokens"] == 0 and other["miss"]["reason"] == "new_text"
+    assert plain["miss"]["reason"] == "new_text"
+    # the operator's listing says why
+    listed = engine.cache_explanations(2)
+    assert [item["miss"]["reason"] for item in listed] == ["cache_salt", "cache_salt"]
+    # a tenant's own listing holds only its requests
+    assert [item["rid"] for item in engine.cache_explanations(10, cache_salt="tenant-b")] == [other["rid"]]
 
 
 def _prefix_pair(tok) -> tuple[int, int, int]:

@@ -3,6 +3,7 @@ cache_control), GET /cache_explanations behind the API key, the metrics, and exp
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from helpers import ADMIN_KEY
 from helpers import API_KEY as KEY
 
 PREFIX = list(range(300, 340))
@@ -99,8 +101,13 @@ def test_explain_cache_cli_prints_the_origin_and_the_stop(server, client):
     _generate(client, PREFIX + [8, 8], program="cli_prog")
     rid = _generate(client, PREFIX + [8, 8, 8])["meta_info"]["id"]
     cli = Path(sys.executable).parent / "radixlm"
-    run = subprocess.run([str(cli), "explain-cache", "--base-url", server.base_url, "--last", "1", "--api-key", KEY], capture_output=True, text=True, timeout=120)
+    # the admin key, from the environment (never on the command line): rids and labels shown
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RADIXLM_")}
+    run = subprocess.run([str(cli), "explain-cache", "--base-url", server.base_url, "--last", "1"], capture_output=True, text=True, timeout=120, env={**env, "RADIXLM_ADMIN_API_KEY": ADMIN_KEY})
     assert run.returncode == 0, run.stderr
     assert f"request {rid}" in run.stdout and "program cli_prog" in run.stdout and "match stopped at token" in run.stdout
-    refused = subprocess.run([str(cli), "explain-cache", "--base-url", server.base_url], capture_output=True, text=True, timeout=120)
+    # the API key alone: the caller's tenant only, as counts
+    user = subprocess.run([str(cli), "explain-cache", "--base-url", server.base_url, "--last", "1"], capture_output=True, text=True, timeout=120, env={**env, "RADIXLM_API_KEY": KEY})
+    assert user.returncode == 0 and rid not in user.stdout and "(hidden)" in user.stdout and "match stopped at token" in user.stdout, user.stdout
+    refused = subprocess.run([str(cli), "explain-cache", "--base-url", server.base_url], capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 1 and "401" in refused.stderr

@@ -41,7 +41,7 @@ def _view(dom: str) -> dict:
     return {
         "polls": int(re.search(r'data-polls="(\d+)"', dom).group(1)),
         "tree_nodes": len(re.findall(r'<rect [^>]*class="node"', dom)),
-        "running_rows": re.findall(r'<tr data-rid="([^"]+)"', running.group(1)) if running else [],
+        "running_rows": re.findall(r'<tr data-rid="([^"]*)"', running.group(1)) if running else [],
         "progress": re.findall(r'<td class="progress">.*?(\d+ / \d+)</td>', running.group(1), re.S) if running else [],
         "output_tokens": int(out.group(1)) if out else None,
     }

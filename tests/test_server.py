@@ -197,7 +197,7 @@ def test_the_server_still_serves_and_leaks_nothing_after_bad_input(tiny_client):
 def test_streaming_client_disconnect_aborts_within_a_step(tiny_client, tiny_server):
     body = json.dumps({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", tiny_server.port))
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     received = b""
     while b"data: " not in received:  # wait until streaming has started
         chunk = sock.recv(4096)

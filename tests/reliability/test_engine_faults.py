@@ -171,6 +171,47 @@ def test_a_dead_loop_answers_every_waiter_at_once(tiny_llama):
         eng.shutdown()
 
 
+def test_a_call_queued_when_the_loop_dies_is_answered_not_left_waiting(tiny_llama):
+    """A /metrics or dashboard read queued behind the fatal error gets EngineError at once."""
+    import threading
+
+    from radixlm.runtime.faults import FatalEngineError
+
+    eng = radixlm.Engine(model_path=tiny_llama, max_total_tokens=1024)
+    try:
+        release, entered = threading.Event(), threading.Event()
+
+        def hold() -> None:  # keeps the loop busy while the fatal error and the read queue up
+            entered.set()
+            release.wait(60)
+
+        holder = threading.Thread(target=lambda: eng._call(hold))
+        holder.start()
+        assert entered.wait(60)
+        eng._inbox.put(("fatal", FatalEngineError("simulated lost worker")))
+        answers: list[BaseException | dict] = []
+
+        def read_stats() -> None:
+            try:
+                answers.append(eng.get_stats())
+            except BaseException as exc:
+                answers.append(exc)
+
+        reader = threading.Thread(target=read_stats, daemon=True)
+        reader.start()
+        while eng._inbox.qsize() < 2:  # the read sits behind the fatal error
+            assert reader.is_alive() or answers
+            threading.Event().wait(0.01)
+        release.set()
+        reader.join(60)
+        assert not reader.is_alive(), "the queued call was never answered"
+        assert isinstance(answers[0], EngineError), answers
+        holder.join(60)
+    finally:
+        release.set()
+        eng.shutdown()
+
+
 def test_chunked_prefill_lets_new_requests_in_while_a_long_prompt_runs(tiny_llama):
     with radixlm.Engine(model_path=tiny_llama, max_total_tokens=4096, chunked_prefill_size=64) as eng:
         sched = eng.scheduler

@@ -32,7 +32,7 @@ def app(engine):
 def _run(app, calls):
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://app", timeout=120) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=120) as c:
             return await calls(c)
 
     return asyncio.run(main())
