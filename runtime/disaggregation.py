@@ -61,6 +61,7 @@ class Disaggregation:
         self.sched, self.side = sched, side
         self.role = side.role
         self.receiving: dict[int, Req] = {}  # decode side: room -> request waiting for its KV
+        self.sending_salts: dict[str, str | None] = {}  # prefill side: rid of a queued hand-over -> its tenant
         if isinstance(side, DecodeReceiver):
             side.on_kv, side.on_failed = self.on_kv, self.on_failed
 
@@ -145,6 +146,8 @@ class Disaggregation:
     def abort(self, rid: str, cache_salt: Any = ANY_SALT) -> bool:
         """Mark a receiving request of tenant ``cache_salt`` (or cancel a prefill hand-over) for abortion; False if unknown."""
         if self.role == "prefill":
+            if rid not in self.sending_salts or not same_tenant(self.sending_salts[rid], cache_salt):
+                return False  # another tenant's hand-over (or none): not the caller's to cancel
             return self.side.cancel(rid, "aborted by request")
         for req in self.receiving.values():
             if req.rid == rid and req.finish is None and same_tenant(req.cache_salt, cache_salt):
@@ -166,12 +169,14 @@ class Disaggregation:
             return None
         start = min(self.side.wanted_start(req.bootstrap_room), n - 1)
         data = self.sched.runner.kv_pool.gather_tokens(self.sched.kv.slots(req.kv, start, n - 1)).cpu()
+        self.sending_salts[req.rid] = req.cache_salt
         return SendJob(req.bootstrap_room, req.rid, n, prompt_digest(req.input_ids), start, data)
 
     def hand_over(self, job: SendJob, out: ReqOutput, sink) -> None:
         """Queue the hand-over; ``out`` reaches ``sink`` once the decode side has the KV."""
 
         def deliver(error: str | None, status: int, info: dict) -> None:
+            self.sending_salts.pop(job.rid, None)
             if error is None:
                 out.meta_info["pd"] = info
                 sink(out)

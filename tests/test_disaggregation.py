@@ -127,6 +127,24 @@ def test_pd_decode_abort_while_waiting_for_kv_frees_its_slots(engines):
     assert_clean(prefill, decode)
 
 
+def test_pd_a_queued_hand_over_is_aborted_only_by_its_own_tenant(engines):
+    prefill, decode, _ = engines
+    q: queue.Queue = queue.Queue()  # no decode half: the computed prompt's hand-over waits
+    req = prefill.make_request(q.put, input_ids=[14] * 4 + list(range(340, 376)), sampling_params=GREEDY, bootstrap_room=901, cache_salt="tenant-a", rid="pd-tenant-job")
+    prefill.submit(req)
+    wait_until(lambda: prefill._call(lambda: "pd-tenant-job" in prefill.scheduler.pd.sending_salts), 60, "the hand-over to be queued")
+    assert not prefill.abort("pd-tenant-job", cache_salt="tenant-b")
+    assert not prefill.abort("pd-tenant-job", cache_salt=None)
+    assert prefill.abort("pd-tenant-job", cache_salt="tenant-a")
+    while not (out := q.get(timeout=60)).finished:
+        pass
+    assert out.meta_info["finish_reason"]["type"] == "abort", out.meta_info
+    assert prefill._call(lambda: "pd-tenant-job" not in prefill.scheduler.pd.sending_salts)
+    _, d_out = run_pair(prefill, decode, [14] * 4 + list(range(300, 336)), room=902)  # the link is still in step
+    assert d_out["meta_info"]["finish_reason"]["type"] == "length"
+    assert_clean(prefill, decode)
+
+
 def test_pd_prefill_failure_fails_the_decode_half_at_once(engines):
     prefill, decode, _ = engines
     ids = [11] * 4 + list(range(150, 206))

@@ -9,9 +9,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 import radixlm
@@ -272,11 +274,25 @@ def test_server_with_tp_2_serves_the_openai_client_and_exits_nonzero_when_a_work
         assert len(workers) == 1
         stream = client.completions.create(model="tiny", prompt="The quick", max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
         next(iter(stream))
+        scrapes: list[int] = []
+
+        def scrape() -> None:  # /metrics calls queued on the engine loop as it dies must not hang the exit
+            with httpx.Client(base_url=server.base_url, timeout=30) as c:
+                while server.proc.poll() is None:
+                    try:
+                        scrapes.append(c.get("/metrics").status_code)
+                    except httpx.HTTPError:
+                        return
+
+        scraper = threading.Thread(target=scrape, daemon=True)
+        scraper.start()
         os.kill(workers[0], signal.SIGKILL)
         with pytest.raises(openai.APIError, match="tensor-parallel worker"):
             for _ in stream:
                 pass
-        assert server.proc.wait(timeout=60) != 0
+        assert server.proc.wait(timeout=60) == 1, "the server must exit 1 once its engine died"
+        scraper.join(60)
+        assert not scraper.is_alive() and scrapes, "every /metrics call got an answer"
         assert _wait(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 30)
     finally:
         server.stop()
