@@ -14,7 +14,15 @@ from radixlm.radix_cache.manager import KVState
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
 
-ANY_SALT: Any = type("AnySalt", (), {"__repr__": lambda self: "ANY_SALT"})()  # abort: whichever tenant owns the rid
+
+class _AnySalt:
+    """Stands for every tenant where a ``cache_salt`` is expected (the operator's abort, listing)."""
+
+    def __repr__(self) -> str:
+        return "ANY_SALT"
+
+
+ANY_SALT: Any = _AnySalt()
 
 
 def same_tenant(req_salt: str | None, salt: Any) -> bool:

@@ -51,7 +51,7 @@ def redact_paths(values: dict[str, Any]) -> dict[str, Any]:
 
 def redact_explanation(item: dict[str, Any]) -> dict[str, Any]:
     """A cache explanation without what names other requests or shows their text: counts remain."""
-    out = {k: v for k, v in item.items() if k not in _PRIVATE_EXPLANATION_FIELDS and not k.startswith("_")}
+    out = {k: v for k, v in item.items() if k not in _PRIVATE_EXPLANATION_FIELDS}
     out["segments"] = [{k: v for k, v in seg.items() if k not in ("origin_rid", "program", "prompt_cache_key")} for seg in item.get("segments", [])]
     miss = dict(item.get("miss") or {})
     miss.pop("text", None)
