@@ -683,18 +683,9 @@ class Engine:
         """Assert on the loop thread that every KV slot is free, in the tree or held by a request."""
         self._call(self.scheduler.check_accounting)
 
-    def kv_invariant_holds(self) -> bool:
-        """``check_accounting`` as a boolean."""
-        try:
-            self.check_accounting()
-            return True
-        except AssertionError:
-            logger.exception("KV accounting broken")
-            return False
-
     def kv_invariant_holds_when_idle(self) -> bool | None:
-        """``kv_invariant_holds`` when nothing runs or waits, else None (not checked): the full
-        check walks the whole pool on the loop thread, which must not stall decoding."""
+        """``check_accounting`` as a boolean when nothing runs or waits, else None (not checked):
+        the full check walks the whole pool on the loop thread, which must not stall decoding."""
 
         def check() -> bool | None:
             if not self.scheduler.idle():

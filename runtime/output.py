@@ -46,7 +46,7 @@ class OutputBuilder:
             if scan is None:
                 scan = self._scans[req] = StopScan(p.stop_strings())
             best = scan.update(full)
-        deadline = search_deadline()
+        deadline = search_deadline() if p.stop_regex else None
         if p.stop_regex:
             found = find_stop_regex(full, len(delta), p.stop_regex, deadline)
             if found is not None and (best is None or found[0] < best[0]):

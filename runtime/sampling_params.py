@@ -262,8 +262,9 @@ def accepted_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")} | set(ALIASES) | set(UNSUPPORTED_NEUTRAL)
 
 
-def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[dict[str, Any] | SamplingParams | None]:
-    """The params of each of a prompt's ``n`` samples (sample j seeded seed + j); ValueError naming n."""
+def sample_count(params: dict[str, Any] | SamplingParams | None) -> int:
+    """How many samples one prompt's params ask for (``n``), read and checked without building
+    anything; ValueError naming n."""
     if isinstance(params, SamplingParams):
         n = params.n
     elif isinstance(params, dict) and params.get("n") is not None:
@@ -271,6 +272,12 @@ def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[di
     else:
         n = 1  # no params, or not a dict (``from_dict`` refuses that by name)
     _check_n(n)
+    return n
+
+
+def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[dict[str, Any] | SamplingParams | None]:
+    """The params of each of a prompt's ``n`` samples (sample j seeded seed + j); ValueError naming n."""
+    n = sample_count(params)
     if n == 1:
         return [params]
     if isinstance(params, SamplingParams):

@@ -29,6 +29,13 @@ def resolve_key(flag_value: str | None, env_name: str, option: str, environ: Map
     return value
 
 
+def command_keys(ns: object) -> tuple[str | None, str | None]:
+    """The API key and the admin key of a ``radixlm serve`` or ``router`` command line: each its
+    flag, else its environment variable (``resolve_key``)."""
+    api_key = resolve_key(getattr(ns, "api_key", None), API_KEY_ENV, "--api-key")
+    return api_key, resolve_key(getattr(ns, "admin_api_key", None), ADMIN_KEY_ENV, "--admin-api-key")
+
+
 def child_environ(api_key: str | None, admin_key: str | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """An environment for a child ``radixlm`` process carrying these keys (and no others)."""
     env = dict(os.environ if base is None else base)

@@ -46,8 +46,8 @@ from radixlm.runtime.http_origin import OriginPolicy
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.protocol import MAX_MESSAGES, MAX_TOOLS, GenerateRequest
 from radixlm.runtime.request import ANY_SALT
-from radixlm.runtime.sampling_params import per_sample_params
-from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, resolve_key
+from radixlm.runtime.sampling_params import per_sample_params, sample_count
+from radixlm.runtime.secrets import command_keys
 from radixlm.runtime.tenancy import is_admin, redact_paths, require_admin
 from radixlm.runtime.tokenizer import apply_chat_template
 
@@ -313,13 +313,11 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
 
 
 def _sample_count(params: Any) -> int:
-    """How many samples one prompt's params ask for (``n``), read without building anything."""
-    n = params.get("n") if isinstance(params, dict) else None
-    if n is None:
-        return 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise APIError(400, f"n must be an integer >= 1, got {n!r}", param="n")
-    return n
+    """``sample_count`` as a 400 naming n."""
+    try:
+        return sample_count(params)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="n") from None
 
 
 def _samples(prompts: list, params: list, rids: list, stream: bool) -> list[tuple[Any, Any, str | None]]:
@@ -365,8 +363,7 @@ def run_server(ns) -> int:
 
     if ns.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0 seconds, got {ns.drain_timeout}")
-    api_key = resolve_key(ns.api_key, API_KEY_ENV, "--api-key")
-    admin_key = resolve_key(ns.admin_api_key, ADMIN_KEY_ENV, "--admin-api-key")
+    api_key, admin_key = command_keys(ns)
     OriginPolicy.from_options(ns.allowed_hosts, ns.allowed_origins)  # refused before the model loads
     sock = _inherited_socket(ns.listen_fd) if ns.listen_fd is not None else None
     args = ServerArgs.from_cli(ns)

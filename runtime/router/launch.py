@@ -29,7 +29,7 @@ import uvicorn
 
 from radixlm.runtime.router.app import create_router_app
 from radixlm.runtime.router.config import RouterConfig
-from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, child_environ, resolve_key
+from radixlm.runtime.secrets import child_environ, command_keys
 from radixlm.runtime.spawn import bound_port, listening_socket, radixlm_command
 
 logger = logging.getLogger(__name__)
@@ -105,11 +105,6 @@ def _die_with_parent():
     return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def worker_keys(ns: argparse.Namespace) -> tuple[str | None, str | None]:
-    """The API key and the admin key of ``radixlm serve --dp-size`` (flag, else environment)."""
-    return resolve_key(getattr(ns, "api_key", None), API_KEY_ENV, "--api-key"), resolve_key(getattr(ns, "admin_api_key", None), ADMIN_KEY_ENV, "--admin-api-key")
-
-
 def start_workers(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> list[WorkerProcess]:
     """Start ``ns.dp_size`` workers, each on its own socket bound here, with its threads and (on
     CUDA) devices, and the keys in its environment."""
@@ -119,7 +114,7 @@ def start_workers(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> li
     if devices is not None and len(devices) < n * tp:
         raise ValueError(f"--dp-size {n} x --tp-size {tp} needs {n * tp} GPUs, {len(devices)} visible")
     common = passed_options(ns, parser)
-    api_key, admin_key = worker_keys(ns)
+    api_key, admin_key = command_keys(ns)
     preexec = _die_with_parent()
     workers: list[WorkerProcess] = []
     try:
@@ -204,7 +199,7 @@ def run_dp(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if stop.is_set():
         stop_workers(workers, timeout=max(ns.drain_timeout + 10, 10))
         return 0
-    api_key, admin_key = worker_keys(ns)
+    api_key, admin_key = command_keys(ns)
     config = RouterConfig(worker_urls=[w.url for w in workers], policy=ns.router_policy, api_key=api_key, admin_api_key=admin_key, allowed_hosts=list(ns.allowed_hosts), allowed_origins=list(ns.allowed_origins))
     app = create_router_app(config)
     group = _Group(workers, app.state.router, stop)

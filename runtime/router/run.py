@@ -9,13 +9,12 @@ import uvicorn
 
 from radixlm.runtime.router.app import create_router_app
 from radixlm.runtime.router.config import RouterConfig
-from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, resolve_key
+from radixlm.runtime.secrets import command_keys
 
 
 def router_config(ns: argparse.Namespace) -> RouterConfig:
     """The RouterConfig of ``radixlm router``'s options (checked; the key: --api-key, else $RADIXLM_API_KEY)."""
-    api_key = resolve_key(ns.api_key, API_KEY_ENV, "--api-key")
-    admin_key = resolve_key(getattr(ns, "admin_api_key", None), ADMIN_KEY_ENV, "--admin-api-key")
+    api_key, admin_key = command_keys(ns)
     config = RouterConfig(
         worker_urls=list(ns.worker_urls), policy=ns.policy, cache_threshold=ns.cache_threshold,
         balance_abs_threshold=ns.balance_abs_threshold, balance_rel_threshold=ns.balance_rel_threshold,

@@ -115,16 +115,16 @@ def test_dp_workers_are_not_given_the_keys_on_their_command_line():
 
 
 def test_dp_workers_and_their_router_take_the_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch):
-    from radixlm.runtime.router.launch import worker_keys
+    from radixlm.runtime.secrets import command_keys
 
     parser, _ = _serve_parser()
     monkeypatch.setenv(API_KEY_ENV, KEY)
     monkeypatch.setenv(ADMIN_KEY_ENV, ADMIN_KEY)
-    assert worker_keys(parser.parse_args(["serve", "--dp-size", "2"])) == (KEY, ADMIN_KEY)
-    assert worker_keys(parser.parse_args(["serve", "--dp-size", "2", "--api-key", "flag"])) == ("flag", ADMIN_KEY)
+    assert command_keys(parser.parse_args(["serve", "--dp-size", "2"])) == (KEY, ADMIN_KEY)
+    assert command_keys(parser.parse_args(["serve", "--dp-size", "2", "--api-key", "flag"])) == ("flag", ADMIN_KEY)
     monkeypatch.setenv(ADMIN_KEY_ENV, "")
     with pytest.raises(ValueError, match=ADMIN_KEY_ENV):
-        worker_keys(parser.parse_args(["serve", "--dp-size", "2"]))
+        command_keys(parser.parse_args(["serve", "--dp-size", "2"]))
 
 
 def test_a_child_socket_on_a_taken_port_is_refused_naming_the_address():
