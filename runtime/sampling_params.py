@@ -262,22 +262,19 @@ def accepted_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")} | set(ALIASES) | set(UNSUPPORTED_NEUTRAL)
 
 
-def sample_count(params: dict[str, Any] | SamplingParams | None) -> int:
-    """How many samples one prompt's params ask for (``n``), read and checked without building
-    anything; ValueError naming n."""
+def requested_n(params: dict[str, Any] | SamplingParams | None) -> Any:
+    """The ``n`` one prompt's params ask for, as given (1 when absent), read without building anything."""
     if isinstance(params, SamplingParams):
-        n = params.n
-    elif isinstance(params, dict) and params.get("n") is not None:
-        n = params["n"]
-    else:
-        n = 1  # no params, or not a dict (``from_dict`` refuses that by name)
-    _check_n(n)
-    return n
+        return params.n
+    if isinstance(params, dict) and params.get("n") is not None:
+        return params["n"]
+    return 1  # no params, or not a dict (``from_dict`` refuses that by name)
 
 
 def per_sample_params(params: dict[str, Any] | SamplingParams | None) -> list[dict[str, Any] | SamplingParams | None]:
     """The params of each of a prompt's ``n`` samples (sample j seeded seed + j); ValueError naming n."""
-    n = sample_count(params)
+    n = requested_n(params)
+    _check_n(n)
     if n == 1:
         return [params]
     if isinstance(params, SamplingParams):

@@ -46,7 +46,7 @@ from radixlm.runtime.http_origin import OriginPolicy
 from radixlm.runtime.metrics import ServerMetrics
 from radixlm.runtime.protocol import MAX_MESSAGES, MAX_TOOLS, GenerateRequest
 from radixlm.runtime.request import ANY_SALT
-from radixlm.runtime.sampling_params import per_sample_params, sample_count
+from radixlm.runtime.sampling_params import per_sample_params, requested_n
 from radixlm.runtime.secrets import command_keys
 from radixlm.runtime.tenancy import is_admin, redact_paths, require_admin
 from radixlm.runtime.tokenizer import apply_chat_template
@@ -313,11 +313,12 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
 
 
 def _sample_count(params: Any) -> int:
-    """``sample_count`` as a 400 naming n."""
-    try:
-        return sample_count(params)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="n") from None
+    """How many samples one prompt's params ask for (``n``), read without building anything;
+    the capacity check that follows names a count too large (per_sample_params, MAX_N)."""
+    n = requested_n(params)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise APIError(400, f"n must be an integer >= 1, got {n!r}", param="n")
+    return n
 
 
 def _samples(prompts: list, params: list, rids: list, stream: bool) -> list[tuple[Any, Any, str | None]]:
