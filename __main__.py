@@ -1,6 +1,6 @@
 """``python -m radixlm``: the command-line interface."""
 
-from radixlm.runtime.cli import main
+from radixlm.runtime.entrypoints.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from radixlm.runtime.layers import cpu_paths
     from radixlm.runtime.loader import default_model_path, load_model
-    from radixlm.runtime.models import cpu_paths
 
     # The engines first: once this (main) thread has run torch's parallel ops it keeps an OpenMP
     # team of its own, libgomp then counts more threads than CPUs and stops spinning between

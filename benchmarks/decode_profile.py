@@ -28,11 +28,11 @@ from report import emit, machine  # noqa: E402
 from workloads import few_shot_prompts  # noqa: E402
 
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
-import radixlm.runtime.models.decode_stack as decode_stack  # noqa: E402
+import radixlm.runtime.layers.decode_stack as decode_stack  # noqa: E402
+import radixlm.runtime.layers.rope as rope  # noqa: E402
 import radixlm.runtime.models.llama as llama  # noqa: E402
-import radixlm.runtime.models.rope as rope  # noqa: E402
 from radixlm.runtime.engine import build_parts  # noqa: E402
-from radixlm.runtime.models.quant import Int4Linear, Int8Linear  # noqa: E402
+from radixlm.runtime.layers.quant import Int4Linear, Int8Linear  # noqa: E402
 from radixlm.runtime.request import Req  # noqa: E402
 from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402

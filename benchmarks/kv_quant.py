@@ -37,9 +37,9 @@ from workloads import QUESTION_COUNTRIES, chat_questions, few_shot_prompts  # no
 import radixlm  # noqa: E402
 from radixlm.kernels.kv_quant import dequantize, quantize, resolve_kv_format  # noqa: E402
 from radixlm.radix_cache.pool import KVPool  # noqa: E402
-from radixlm.runtime.forward_batch import ForwardBatch  # noqa: E402
+from radixlm.runtime.executor.model_runner import ModelRunner  # noqa: E402
+from radixlm.runtime.layers.forward_batch import ForwardBatch  # noqa: E402
 from radixlm.runtime.loader import resolve_model_path  # noqa: E402
-from radixlm.runtime.model_runner import ModelRunner  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
 from radixlm.runtime.tokenizer import load_tokenizer  # noqa: E402
 

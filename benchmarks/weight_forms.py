@@ -8,8 +8,8 @@ import functools
 from collections.abc import Iterator
 from unittest import mock
 
-import radixlm.runtime.models.quant as quant_mod
-from radixlm.runtime.models.quant import Int4Linear
+import radixlm.runtime.layers.quant as quant_mod
+from radixlm.runtime.layers.quant import Int4Linear
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixlm.lang.ir import Constant, Expr, ExprList, RoleBegin, RoleEnd, SetVar
-from radixlm.runtime.tool_markers import CLOSE, OPEN
+from radixlm.runtime.entrypoints.openai.tool_markers import CLOSE, OPEN
 
 __all__ = ["CLOSE", "OPEN", "Tool", "as_tools", "call_tool", "calls_schema", "describe_tools", "run_call", "tool"]
 
@@ -59,8 +59,8 @@ class Tool:
 
     def call_schema(self) -> dict[str, Any]:
         """JSON schema of one call of this tool: ``{"name": <this name>, "arguments": {...}}``."""
-        from radixlm.runtime import tool_calls
-        from radixlm.runtime.protocol import Tool as ProtocolTool
+        from radixlm.runtime.entrypoints.openai import tool_calls
+        from radixlm.runtime.entrypoints.openai.protocol import Tool as ProtocolTool
 
         return tool_calls.call_schema(ProtocolTool.model_validate(self.spec()))
 
@@ -71,7 +71,7 @@ def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None, descr
     def make(f: Callable[..., Any]) -> Tool:
         from pydantic import TypeAdapter
 
-        from radixlm.runtime.protocol import Tool as ProtocolTool
+        from radixlm.runtime.entrypoints.openai.protocol import Tool as ProtocolTool
 
         sig = inspect.signature(f)
         for p in sig.parameters.values():
@@ -124,8 +124,8 @@ def calls_schema(tools: Sequence[Tool]) -> dict[str, Any]:
 
 def describe_tools(tools: Sequence[Any]) -> str:
     """Text for a system message listing the tools and the call format (the server uses the same)."""
-    from radixlm.runtime import tool_calls
-    from radixlm.runtime.protocol import Tool as ProtocolTool
+    from radixlm.runtime.entrypoints.openai import tool_calls
+    from radixlm.runtime.entrypoints.openai.protocol import Tool as ProtocolTool
 
     return tool_calls.tools_system_prompt([ProtocolTool.model_validate(t.spec()) for t in as_tools(tools)])
 

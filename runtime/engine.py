@@ -34,10 +34,10 @@ from radixlm.runtime.cache_control import check_cache_options
 from radixlm.runtime.constrained.base import Matcher
 from radixlm.runtime.constrained.budget import BudgetMatcher, CloseVocab
 from radixlm.runtime.constrained.compiler import GrammarCompiler
-from radixlm.runtime.disaggregation import Disaggregation, open_link_side
+from radixlm.runtime.disaggregation.scheduling import Disaggregation, open_link_side
+from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.faults import FatalEngineError
 from radixlm.runtime.loader import resolve_model_path
-from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import ANY_SALT, FinishReason, Req, ReqOutput
 from radixlm.runtime.sampling_params import SamplingParams, per_sample_params

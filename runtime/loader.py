@@ -17,9 +17,9 @@ from tqdm.auto import tqdm
 
 from radixlm.runtime.disk_cache import entry_for, write_entry
 from radixlm.runtime.distributed.group import TPGroup
-from radixlm.runtime.distributed.sharding import plan_shard
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.sharding import plan_shard
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from radixlm.radix_cache.manager import KVManager
-from radixlm.runtime.forward_batch import ForwardBatch
-from radixlm.runtime.model_runner import ModelRunner
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.layers.forward_batch import ForwardBatch
 from radixlm.runtime.request import Req
 
 

@@ -33,9 +33,9 @@ from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.tree import RadixCache
 from radixlm.runtime.cache_explain import CacheExplainer
 from radixlm.runtime.decoder import Decoder
-from radixlm.runtime.disaggregation import Disaggregation
+from radixlm.runtime.disaggregation.scheduling import Disaggregation
+from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.faults import FatalEngineError, FaultInjector
-from radixlm.runtime.model_runner import ModelRunner
 from radixlm.runtime.output import OutputBuilder
 from radixlm.runtime.request import ANY_SALT, FinishReason, Req, ReqOutput, same_tenant
 from radixlm.runtime.schedule_batch import Row, build_forward_batch

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY_ARCHS
-from radixlm.runtime.models import llama, rope
+from radixlm.runtime.layers import rope
+from radixlm.runtime.models import llama
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

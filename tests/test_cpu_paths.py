@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from radixlm.runtime.models import cpu_paths
-from radixlm.runtime.models.cpu_paths import (
+from radixlm.runtime.layers import cpu_paths
+from radixlm.runtime.layers.cpu_paths import (
     AutoLinear,
     PathPlan,
     choose,
     linear_shapes,
     load_or_measure,
 )
-from radixlm.runtime.models.quant import Int4Linear, Int8Linear, quantize_model
+from radixlm.runtime.layers.quant import Int4Linear, Int8Linear, quantize_model
 
 # Timings in the shape of the measurements (ms for one pass's linears, 2 threads):
 # AVX2 without fast bf16: bf16 2.6-4x slower than fp32/int4; int4 wins few rows, fp32 many.
@@ -62,7 +62,7 @@ def test_int4_bf16_keeps_no_bf16_copy_where_bf16_is_slower():
 
 
 def test_auto_uses_the_plain_quantized_layer_when_the_plan_is_one_of_theirs():
-    from radixlm.runtime.models.quant import _maker
+    from radixlm.runtime.layers.quant import _maker
 
     lin = nn.Linear(64, 32, bias=False)
     assert isinstance(_maker(PathPlan((1, 16), ("int8", "int8")))(lin), Int8Linear)
@@ -156,7 +156,7 @@ def test_auto_quantization_serves_and_logs_its_choice(tiny_llama, tmp_path, monk
     import radixlm
 
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="radixlm.runtime.models.cpu_paths"):
+    with caplog.at_level(logging.INFO, logger="radixlm.runtime.layers.cpu_paths"):
         with radixlm.Engine(model_path=tiny_llama, max_total_tokens=1024, quantization="auto") as eng:
             out = eng.generate("The quick brown", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
             assert len(out["output_ids"]) == 6

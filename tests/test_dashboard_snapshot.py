@@ -10,7 +10,7 @@ import torch
 
 from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.radix_cache.tree import RadixCache, TreeNode
-from radixlm.runtime.dashboard_history import CounterHistory
+from radixlm.runtime.entrypoints.dashboard.history import CounterHistory
 
 
 def _small_tree() -> tuple[RadixCache, list]:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from helpers import good_and_bad_requests, run_and_check_only_bad_failed
-from radixlm.runtime.decode_graphs import DecodeGraphs, graph_buckets
 from radixlm.runtime.engine import build_parts
+from radixlm.runtime.executor.decode_graphs import DecodeGraphs, graph_buckets
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
@@ -70,7 +70,7 @@ def _generate(rt, prompts=PROMPTS, steps=STEPS) -> dict[str, list[int]]:
 
 def _decode_batch(rt, seqs: list[list[int]]):
     """A decode-only ForwardBatch over fresh KV: row i has ``seqs[i][:-1]`` cached and decodes ``seqs[i][-1]``."""
-    from radixlm.runtime.forward_batch import ForwardBatch
+    from radixlm.runtime.layers.forward_batch import ForwardBatch
 
     runner, kv = rt.runner, rt.kv
     gen = torch.Generator().manual_seed(len(seqs))
@@ -180,7 +180,7 @@ def test_batches_with_a_prefill_row_or_past_the_largest_bucket_run_eagerly(tiny_
 def test_a_failed_capture_turns_graphs_off_and_the_steps_run_eagerly(tiny_llama, caplog):
     eager = _generate(_parts(tiny_llama, None))
     rt = _parts(tiny_llama, FailingCapture)
-    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.decode_graphs"):
+    with caplog.at_level(logging.WARNING, logger="radixlm.runtime.executor.decode_graphs"):
         out = _generate(rt)
     assert out == eager
     graphs = rt.runner.decode_graphs

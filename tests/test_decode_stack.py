@@ -8,8 +8,8 @@ from torch import nn
 
 from helpers import TINY_ARCHS, good_and_bad_requests, run_and_check_only_bad_failed
 from radixlm.runtime.engine import build_parts
-from radixlm.runtime.models.decode_stack import DecodeStacks, stack_weight
-from radixlm.runtime.models.quant import Int4Linear, Int8Linear
+from radixlm.runtime.layers.decode_stack import DecodeStacks, stack_weight
+from radixlm.runtime.layers.quant import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs
@@ -118,7 +118,7 @@ def test_a_layer_the_stack_cannot_compute_keeps_the_python_path(cpp_ext, tiny_ll
 
 
 def test_quantizing_a_model_drops_the_stacks_built_from_its_old_layers(cpp_ext, tiny_llama):
-    from radixlm.runtime.models.quant import quantize_model
+    from radixlm.runtime.layers.quant import quantize_model
 
     rt = build_parts(ServerArgs(model_path=tiny_llama, max_total_tokens=512))
     model = rt.runner.model

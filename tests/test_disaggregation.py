@@ -272,9 +272,9 @@ def test_pd_threads_end_with_their_engines(tiny_llama):
 def pd_stack(engines):
     """The pair and the single engine served over HTTP, and a --pd-disaggregation router in front."""
     from helpers import ServerThread
-    from radixlm.runtime.router.app import create_router_app
-    from radixlm.runtime.router.config import RouterConfig
-    from radixlm.runtime.server import create_app
+    from radixlm.runtime.entrypoints.http.server import create_app
+    from radixlm.runtime.entrypoints.router.app import create_router_app
+    from radixlm.runtime.entrypoints.router.config import RouterConfig
 
     prefill, decode, single = engines
     servers = [ServerThread(create_app(e, served_model_name="tiny"), lifespan="off").start() for e in engines]

@@ -35,7 +35,7 @@ def test_outlines_keeps_regex_and_schema_and_hands_ebnf_to_llguidance(outlines_e
 
 
 def test_tool_choice_auto_works_on_the_outlines_backend(outlines_engine):
-    from radixlm.runtime.server import create_app
+    from radixlm.runtime.entrypoints.http.server import create_app
 
     server = ServerThread(create_app(outlines_engine, served_model_name="tiny")).start()
     try:

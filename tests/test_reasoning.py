@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import CHAT_TEMPLATE, ServerThread, accepts_text, grammar_backends, tokenizer_parts
-from radixlm.runtime import reasoning
-from radixlm.runtime.reasoning import ReasoningFormat
+from radixlm.runtime.entrypoints.openai import reasoning
+from radixlm.runtime.entrypoints.openai.reasoning import ReasoningFormat
 
 # DeepSeek-R1 style: the generation prompt opens the reasoning; earlier answers lose theirs
 THINK_TEMPLATE = (
@@ -98,7 +98,7 @@ def test_max_reasoning_tokens_forces_the_closing_marker(llg):
 def thinker(tiny_llama, tmp_path_factory):
     """An OpenAI client of an in-process server whose tiny model's template opens a reasoning section."""
     from radixlm.runtime.engine import Engine
-    from radixlm.runtime.server import create_app
+    from radixlm.runtime.entrypoints.http.server import create_app
 
     folder = tmp_path_factory.mktemp("thinker") / "model"
     shutil.copytree(tiny_llama, folder)

@@ -26,11 +26,16 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import FakeWorker, ServerThread, wait_until
-from radixlm.runtime.router import RouterConfig, create_router_app
-from radixlm.runtime.router.policy import CacheAware, CacheAwareSettings, RoundRobin, ShortestQueue
-from radixlm.runtime.router.prefix_tree import PrefixTree
-from radixlm.runtime.router.text_key import routing_text
-from radixlm.runtime.router.workers import Worker
+from radixlm.runtime.entrypoints.router import RouterConfig, create_router_app
+from radixlm.runtime.entrypoints.router.policy import (
+    CacheAware,
+    CacheAwareSettings,
+    RoundRobin,
+    ShortestQueue,
+)
+from radixlm.runtime.entrypoints.router.prefix_tree import PrefixTree
+from radixlm.runtime.entrypoints.router.text_key import routing_text
+from radixlm.runtime.entrypoints.router.workers import Worker
 
 
 # ------------------------------------------------------------ prefix tree
@@ -466,15 +471,15 @@ def test_the_router_command_imports_neither_torch_nor_the_engine():
     assert out.returncode == 0 and "--worker-urls" in out.stdout
     imported = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert not {m for m in imported if m == "torch" or m.startswith("torch.") or m == "radixlm.runtime.engine"}
-    code = "import sys, radixlm.runtime.router.app, radixlm.runtime.router.launch; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'radixlm.runtime.engine'))"
+    code = "import sys, radixlm.runtime.entrypoints.router.app, radixlm.runtime.entrypoints.router.launch; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m == 'radixlm.runtime.engine'))"
     assert subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=60).stdout.strip() == "[]"
 
 
 def test_serve_dp_passes_every_other_option_to_its_workers():
     import argparse
 
-    from radixlm.runtime import cli
-    from radixlm.runtime.router.launch import passed_options
+    from radixlm.runtime.entrypoints.cli import main as cli
+    from radixlm.runtime.entrypoints.router.launch import passed_options
 
     parser = argparse.ArgumentParser()
     serve = cli._serve_parser(parser.add_subparsers(dest="command"))
@@ -489,7 +494,7 @@ def test_end_to_end_over_two_in_process_engines(tiny_llama):
     import openai
 
     from radixlm.runtime.engine import Engine
-    from radixlm.runtime.server import create_app
+    from radixlm.runtime.entrypoints.http.server import create_app
 
     engines = [Engine(model_path=tiny_llama, max_total_tokens=2048) for _ in range(2)]
     servers = [ServerThread(create_app(e, served_model_name="tiny")).start() for e in engines]

@@ -286,7 +286,7 @@ def test_sse_event_stays_one_line_whatever_characters_the_text_holds():
     """Text with characters that splitlines() breaks on (model output can hold any) is escaped."""
     import json as _json
 
-    from radixlm.runtime.http_common import sse_line
+    from radixlm.runtime.entrypoints.http.common import sse_line
 
     text = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg\x0bh\x0ci\nj\rk"
     line = sse_line({"text": text})

@@ -12,9 +12,9 @@ import jsonschema
 import openai
 import pytest
 
-from radixlm.runtime.protocol import Tool
+from radixlm.runtime.entrypoints.openai.protocol import Tool
+from radixlm.runtime.entrypoints.openai.tool_calls import arguments_schema
 from radixlm.runtime.sampling_params import SamplingParams
-from radixlm.runtime.tool_calls import arguments_schema
 
 CITY = {  # what pydantic writes for City(name, country, population): additionalProperties unset
     "properties": {

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 import radixlm
-from radixlm.runtime.distributed.sharding import QUANT_GROUP, plan_shard
 from radixlm.runtime.engine import EngineError
 from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.sharding import QUANT_GROUP, plan_shard
 
 PROMPTS = [
     "The quick brown fox jumps over",
@@ -85,8 +85,8 @@ def test_tp_options_are_validated_with_their_names(tiny_llama):
 def test_each_rank_loads_exactly_its_slices_and_quantizes_them_with_the_full_models_groups(tp_models):
     import torch
 
+    from radixlm.runtime.layers.quant import quantize_model
     from radixlm.runtime.loader import load_model
-    from radixlm.runtime.models.quant import quantize_model
 
     path = tp_models["groups3"]
     full, cfg = load_model(path, torch.float32, torch.device("cpu"))

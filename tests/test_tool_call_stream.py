@@ -10,10 +10,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from radixlm.runtime import tool_calls
-from radixlm.runtime.tool_call_stream import ToolCallStreamer
-from radixlm.runtime.tool_formats import FORMATS, HERMES, LLAMA3, MISTRAL, ToolFormat
-from radixlm.runtime.tool_markers import CLOSE, OPEN
+from radixlm.runtime.entrypoints.openai import tool_calls
+from radixlm.runtime.entrypoints.openai.tool_call_stream import ToolCallStreamer
+from radixlm.runtime.entrypoints.openai.tool_formats import (
+    FORMATS,
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    ToolFormat,
+)
+from radixlm.runtime.entrypoints.openai.tool_markers import CLOSE, OPEN
 
 
 # ---------------------------------------------------------------- helpers
@@ -220,7 +226,7 @@ def _client_assembles(mode: str, text: str, finish: str, name: str | None = None
     """The OpenAI client's message from the chunks openai_api sends for ``text`` arriving in 3-char steps."""
     from openai.types.chat import ChatCompletionChunk
 
-    from radixlm.runtime.openai_api import _Plan, _tool_pieces
+    from radixlm.runtime.entrypoints.openai.api import _Plan, _tool_pieces
     from radixlm.runtime.request import ReqOutput
 
     plan = _Plan(True, "m", [[1]], ["p"], {}, 1, True, False, None, tool_mode=mode, tool_name=name)

@@ -14,10 +14,10 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from transformers import AutoTokenizer
 
 from helpers import ServerThread, accepts_text, tokenizer_parts
-from radixlm.runtime import tool_calls, tool_formats
 from radixlm.runtime.constrained.llguidance_backend import LLGuidanceBackend
-from radixlm.runtime.protocol import Tool
-from radixlm.runtime.tool_formats import HERMES, LLAMA3, MISTRAL
+from radixlm.runtime.entrypoints.openai import tool_calls, tool_formats
+from radixlm.runtime.entrypoints.openai.protocol import Tool
+from radixlm.runtime.entrypoints.openai.tool_formats import HERMES, LLAMA3, MISTRAL
 
 # Templates in each family's style (written for these tests): tools in the prompt, assistant
 # calls in the family's format, tool results in its own role or markers.
@@ -148,7 +148,7 @@ def test_parse_auto_reads_the_family_format_and_keeps_the_raw_arguments(family):
 def served(families):
     """family -> (OpenAI client, tokenizer) of in-process servers of the family models."""
     from radixlm.runtime.engine import Engine
-    from radixlm.runtime.server import create_app
+    from radixlm.runtime.entrypoints.http.server import create_app
 
     running, out = [], {}
     for family, path in families.items():

@@ -21,9 +21,19 @@ import httpx
 
 from radixlm.lang.backend.base import BackendError
 from radixlm.lang.backend.endpoint import RuntimeEndpoint
-from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV, child_environ, resolve_key
+from radixlm.runtime.entrypoints.secrets import (
+    ADMIN_KEY_ENV,
+    API_KEY_ENV,
+    child_environ,
+    resolve_key,
+)
+from radixlm.runtime.entrypoints.spawn import (
+    CHILD_CWD,
+    bound_port,
+    listening_socket,
+    radixlm_command,
+)
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.spawn import CHILD_CWD, bound_port, listening_socket, radixlm_command
 
 _SERVE_OPTIONS = {"max_queued_requests", "served_model_name"}
 _PATH_OPTIONS = {"tokenizer_path", "speculative_draft_model_path"}

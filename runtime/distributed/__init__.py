@@ -1,1 +1,1 @@
-"""Tensor parallelism: process groups, how a model's weights split across ranks, and the workers."""
+"""Process groups for tensor parallelism and the signed rendezvous store they (and PD pairs) meet through."""

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from radixlm.runtime.distributed.store import SignedStore, listening_store, new_secret
-
-if TYPE_CHECKING:
-    from radixlm.runtime.distributed.sharding import TPShard
 
 LOOPBACK = "127.0.0.1"
 IDLE_WAIT = datetime.timedelta(days=365)
@@ -78,11 +74,11 @@ class TPGroup:
         self.broadcast_seconds += time.perf_counter() - t0
         return x
 
-    def gather_vocab(self, local: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor:
+    def gather_vocab(self, local: torch.Tensor, vocab_per_rank: int, vocab_size: int) -> torch.Tensor:
         """The full ``[n, vocab]`` logits from every rank's ``[n, vocab slice]``.
 
         Slices are padded to one width (the last rank's may be shorter) for the gather."""
-        pad = shard.vocab_per_rank - local.shape[1]
+        pad = vocab_per_rank - local.shape[1]
         if pad:
             local = torch.nn.functional.pad(local, (0, pad))
         parts = [torch.empty_like(local) for _ in range(self.size)]

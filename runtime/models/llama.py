@@ -6,7 +6,7 @@ context length. Attention itself is delegated to the batch's attention backend, 
 cached prefix through the slot table and writes the new tokens' KV into the pool.
 
 Under tensor parallelism (``shard`` and ``group`` given) each rank builds the same modules at its
-shard's sizes (see ``radixlm.runtime.distributed.sharding``) and sums the partial outputs of the
+shard's sizes (see ``radixlm.runtime.models.sharding``) and sums the partial outputs of the
 row-parallel projections and of the vocabulary-parallel embedding with one all-reduce each.
 """
 
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixlm.kernels.cpu_ext import cpu_kernels
-from radixlm.runtime.distributed.sharding import TPShard, shard_rows
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.layers.decode_stack import DecodeStacks
+from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.rope import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
-from radixlm.runtime.models.decode_stack import DecodeStacks
-from radixlm.runtime.models.rope import RotaryEmbedding, apply_rotary
+from radixlm.runtime.models.sharding import TPShard, shard_rows
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.group import TPGroup

@@ -46,12 +46,12 @@ import torch
 
 from radixlm.radix_cache.manager import KVManager
 from radixlm.radix_cache.pool import KVPool
-from radixlm.runtime.forward_batch import ForwardBatch
+from radixlm.runtime.executor.model_runner import ModelRunner
+from radixlm.runtime.layers.attention.backend import AttentionBackend, select_attention_backend
+from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.quant import quantize_model
 from radixlm.runtime.loader import load_model, load_model_config, resolve_model_path
-from radixlm.runtime.model_runner import ModelRunner
-from radixlm.runtime.models.attention_backend import AttentionBackend, select_attention_backend
 from radixlm.runtime.models.llama import LlamaForCausalLM
-from radixlm.runtime.models.quant import quantize_model
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampler import SamplingRow, sample_draft
 from radixlm.runtime.server_args import ServerArgs

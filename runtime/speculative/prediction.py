@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from radixlm.runtime.protocol import Prediction
+MAX_CONTENT_PARTS = 1024  # parts one message or prediction may carry
+
+
+class ContentPart(BaseModel):
+    """A text part of a message's content or of a prediction (images are not supported)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's ``prediction`` (Predicted Outputs): the output the client expects."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+    def text(self) -> str:
+        """The predicted text (parts joined)."""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 def prediction_text(value: Any) -> str | None:

@@ -76,8 +76,8 @@ def test_failed_kernel_build_falls_back_to_pytorch_with_one_warning(monkeypatch,
 
 
 def test_engine_builds_the_kernels_before_it_is_ready(tiny_llama, monkeypatch):
-    from radixlm.runtime import model_runner
     from radixlm.runtime.engine import build_parts
+    from radixlm.runtime.executor import model_runner
     from radixlm.runtime.server_args import ServerArgs
 
     built = []

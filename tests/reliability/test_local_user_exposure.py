@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from radixlm.kernels.paths import UnsafeCacheDir, cache_dir
-from radixlm.runtime.secrets import ADMIN_KEY_ENV, API_KEY_ENV
+from radixlm.runtime.entrypoints.secrets import ADMIN_KEY_ENV, API_KEY_ENV
 
 KEY, ADMIN_KEY = "local-user-exposure-key", "local-user-exposure-admin-key"
 linux_only = pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
@@ -79,7 +79,7 @@ def _assert_key_required(url: str) -> None:
 
 # ------------------------------------------------------------ python -P, from a safe folder
 def test_the_child_command_imports_nothing_planted_in_its_working_folder(tmp_path: Path):
-    from radixlm.runtime.spawn import radixlm_command
+    from radixlm.runtime.entrypoints.spawn import radixlm_command
 
     marker = tmp_path / "planted-code-ran"
     for name in ("radixlm.py", "json.py", "argparse.py"):
@@ -91,8 +91,8 @@ def test_the_child_command_imports_nothing_planted_in_its_working_folder(tmp_pat
 
 def test_runtime_and_dp_launcher_share_one_child_command():
     from radixlm.lang.backend import runtime
-    from radixlm.runtime.router import launch
-    from radixlm.runtime.spawn import radixlm_command
+    from radixlm.runtime.entrypoints.router import launch
+    from radixlm.runtime.entrypoints.spawn import radixlm_command
 
     assert runtime.radixlm_command is radixlm_command and launch.radixlm_command is radixlm_command
     assert runtime._command({"model_path": "m", "port": 5})[: len(radixlm_command()) + 1] == [*radixlm_command(), "serve"]
@@ -100,14 +100,14 @@ def test_runtime_and_dp_launcher_share_one_child_command():
 
 # ------------------------------------------------------------ keys by environment
 def _serve_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    from radixlm.runtime import cli
+    from radixlm.runtime.entrypoints.cli import main as cli
 
     parser = argparse.ArgumentParser()
     return parser, cli._serve_parser(parser.add_subparsers(dest="command"))
 
 
 def test_dp_workers_are_not_given_the_keys_on_their_command_line():
-    from radixlm.runtime.router.launch import passed_options
+    from radixlm.runtime.entrypoints.router.launch import passed_options
 
     parser, serve = _serve_parser()
     ns = parser.parse_args(["serve", "--dp-size", "2", "--model-path", "m", "--api-key", KEY, "--admin-api-key", ADMIN_KEY, "--listen-fd", "7"])
@@ -115,7 +115,7 @@ def test_dp_workers_are_not_given_the_keys_on_their_command_line():
 
 
 def test_dp_workers_and_their_router_take_the_keys_from_the_environment(monkeypatch: pytest.MonkeyPatch):
-    from radixlm.runtime.secrets import command_keys
+    from radixlm.runtime.entrypoints.secrets import command_keys
 
     parser, _ = _serve_parser()
     monkeypatch.setenv(API_KEY_ENV, KEY)
@@ -128,7 +128,7 @@ def test_dp_workers_and_their_router_take_the_keys_from_the_environment(monkeypa
 
 
 def test_a_child_socket_on_a_taken_port_is_refused_naming_the_address():
-    from radixlm.runtime.spawn import bound_port, listening_socket
+    from radixlm.runtime.entrypoints.spawn import bound_port, listening_socket
 
     with listening_socket() as taken:
         port = bound_port(taken)
@@ -138,8 +138,8 @@ def test_a_child_socket_on_a_taken_port_is_refused_naming_the_address():
 
 
 def test_the_router_takes_its_key_from_the_environment(monkeypatch: pytest.MonkeyPatch):
-    from radixlm.runtime.router.cli_args import add_router_args
-    from radixlm.runtime.router.run import router_config
+    from radixlm.runtime.entrypoints.router.cli_args import add_router_args
+    from radixlm.runtime.entrypoints.router.run import router_config
 
     parser = argparse.ArgumentParser()
     add_router_args(parser)
@@ -165,7 +165,7 @@ def test_runtime_refuses_an_empty_key_before_starting_anything():
 # ------------------------------------------------------------ real children (the tiny model)
 @linux_only
 def test_a_dp_worker_serves_on_the_socket_the_launcher_bound_and_gets_its_keys_by_environment(tiny_llama, monkeypatch):
-    from radixlm.runtime.router import launch
+    from radixlm.runtime.entrypoints.router import launch
 
     inodes = _recording(monkeypatch, launch)
     parser, serve = _serve_parser()
@@ -265,7 +265,7 @@ def test_a_cache_path_that_is_not_a_folder_is_refused_naming_it(tmp_path: Path, 
 
 def test_what_is_read_from_an_unsafe_cache_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     from radixlm.kernels import cpu_ext
-    from radixlm.runtime.models.cpu_paths import load_or_measure
+    from radixlm.runtime.layers.cpu_paths import load_or_measure
 
     shared = tmp_path / "shared"
     shared.mkdir()

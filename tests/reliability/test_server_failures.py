@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from radixlm.runtime.engine import Engine
-from radixlm.runtime.server import create_app
+from radixlm.runtime.entrypoints.http.server import create_app
 
 GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 CHAT = [{"role": "user", "content": "hi"}]

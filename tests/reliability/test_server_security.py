@@ -45,8 +45,8 @@ def test_a_huge_n_is_a_400_before_anything_is_built_and_rss_stays_put(tiny_clien
 def test_n_is_checked_before_any_per_sample_copy_is_made(tiny_llama, monkeypatch):
     import asyncio
 
-    from radixlm.runtime import server
     from radixlm.runtime.engine import Engine
+    from radixlm.runtime.entrypoints.http import server
 
     built: list[object] = []
     real = server.per_sample_params
@@ -225,7 +225,7 @@ def test_keys_from_the_environment_guard_the_server_and_stay_off_its_argv(keyed_
 
 
 def test_access_log_masks_the_dashboard_login_key():
-    from radixlm.runtime.http_guard import RedactKeyFilter
+    from radixlm.runtime.entrypoints.http.guard import RedactKeyFilter
 
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', ("127.0.0.1:5", "GET", "/dashboard?key=hunter2&x=1", "1.1", 303), None)
     RedactKeyFilter().filter(record)

@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 from helpers import wait_until
-from radixlm.runtime.distributed import kv_transfer
-from radixlm.runtime.distributed.group import TPGroup, join_store, open_store
-from radixlm.runtime.distributed.kv_transfer import (
+from radixlm.runtime.disaggregation import kv_transfer
+from radixlm.runtime.disaggregation.kv_transfer import (
     GENERATION_KEY,
     HELLO_KEY,
     SECRET_ENV,
@@ -36,6 +35,7 @@ from radixlm.runtime.distributed.kv_transfer import (
     link_secret,
     parse_have,
 )
+from radixlm.runtime.distributed.group import TPGroup, join_store, open_store
 from radixlm.runtime.distributed.store import (
     ForgedRecord,
     SignedStore,

@@ -1,0 +1,1 @@
+"""The command lines: `radixlm serve|generate|router` and `explain-cache`."""

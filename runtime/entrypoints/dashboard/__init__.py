@@ -1,0 +1,1 @@
+"""The live cache dashboard: its routes, counter history, access token and page."""

@@ -1,0 +1,190 @@
+"""ModelRunner: owns the model, the KV pool and the attention backend; runs ForwardBatches.
+
+Under tensor parallelism (``tp_size > 1``) every rank has a ModelRunner over its shard. Rank 0's
+(the engine's) also starts the workers and, each step, broadcasts the batch plan before running
+its own shard; all ranks then gather the vocabulary slices of the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.kernels.kv_quant import resolve_kv_format
+from radixlm.radix_cache.pool import KVPool
+from radixlm.runtime.distributed.group import TPGroup
+from radixlm.runtime.executor.batch_plan import send_batch
+from radixlm.runtime.executor.decode_graphs import DecodeGraphs
+from radixlm.runtime.executor.tp_driver import TensorParallelError, TPDriver
+from radixlm.runtime.layers.attention.backend import select_attention_backend
+from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.quant import quantize_model
+from radixlm.runtime.loader import load_model, load_model_config, prepare_weights
+from radixlm.runtime.models.sharding import plan_shard
+from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.threads import configure_threads
+
+logger = logging.getLogger(__name__)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` (host RAM available to new allocations on CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class ModelRunner:
+    """Loads the model, sizes and owns the KV pool, and turns a ForwardBatch into logits.
+
+    ``group`` and ``pool_tokens`` are given to the runners of tensor-parallel workers; the
+    engine's runner builds its group (and starts the workers) itself when ``args.tp_size > 1``.
+    """
+
+    def __init__(self, args: ServerArgs, model_path: str, group: TPGroup | None = None, pool_tokens: int | None = None) -> None:
+        self.args = args
+        self.device = torch.device(args.resolved_device()) if group is None else group.device
+        if self.device.type == "cuda" and args.tp_size > 1 and self.device.index is None:
+            self.device = torch.device("cuda", 0)
+        self.dtype = args.resolved_dtype(self.device)
+        self.driver: TPDriver | None = None
+        self.group = group
+        if self.device.type == "cpu" and group is None:
+            self._build_cpu_kernels()  # before any worker starts, which then finds them built
+        if args.tp_size > 1 and group is None:
+            pool_tokens = self._start_workers(model_path)
+            self.group = self.driver.group
+        try:
+            self._load(model_path, pool_tokens)
+            if self.driver is not None:
+                self.driver.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self, model_path: str) -> int:
+        """Plan the pool from the config, start the workers, join the group; returns the pool size."""
+        cfg = load_model_config(model_path)
+        size = self.args.tp_size
+        shards = [plan_shard(cfg, r, size) for r in range(size)]  # a model that cannot split is refused here
+        kv_format = resolve_kv_format(self.args.kv_cache_dtype, self.dtype)
+        per_rank = [KVPool.bytes_per_token(cfg.num_layers, s.num_kv_heads, cfg.head_dim, self.dtype, kv_format) for s in shards]
+        # CPU ranks share the host's memory; each GPU rank has its own device
+        pool_tokens = self._pool_size(sum(per_rank) if self.device.type == "cpu" else max(per_rank))
+        prepare_weights(model_path)
+        threads = configure_threads(self.args.num_threads, share=size)
+        self.driver = TPDriver(self.args, model_path, pool_tokens, threads, self.device)
+        return pool_tokens
+
+    def _load(self, model_path: str, pool_tokens: int | None) -> None:
+        args = self.args
+        self.model, self.config = load_model(model_path, self.dtype, self.device, self.group)
+        shard = self.shard = self.model.shard
+        if args.quantization:
+            quantize_model(self.model, args.quantization)
+        elif self.dtype != torch.float32 and self.device.type == "cpu":
+            self.model.keep_head_in_fp32()
+        self.model.decode_stacks.enabled = not args.disable_decode_stack
+        self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
+        self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.dtype)
+        cfg = self.config
+        kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
+        self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.kv_format)
+        self.max_total_tokens = pool_tokens or self._pool_size(self.kv_bytes_per_token)
+        # one slot past the allocator's, owned by no request: the padded rows of captured decode steps write there
+        self.pad_write_slot = self.max_total_tokens
+        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, self.kv_format)
+        self.attn_backend = select_attention_backend(args.attention_backend, self.device)
+        self.decode_graphs = self._decode_graphs()
+        logger.info(
+            "KV pool%s: %d tokens of %s KV, %d bytes each (%.1f MiB), attention backend %s",
+            "" if shard is None else f" of tp rank {shard.rank}",
+            self.max_total_tokens,
+            self.kv_format.name,
+            self.kv_bytes_per_token,
+            self.kv_pool.nbytes() / 2**20,
+            type(self.attn_backend).__name__,
+        )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of the decode step, where they can run: one CUDA device, a backend that captures."""
+        if self.device.type != "cuda" or self.args.disable_cuda_graph or self.group is not None or not self.attn_backend.captures_decode:
+            return None
+        max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
+        return DecodeGraphs(self.model, self.kv_pool, self.attn_backend, self.pad_write_slot, max_bs, max_seq_len=self.context_len)
+
+    @staticmethod
+    def _build_cpu_kernels() -> None:
+        """Compile (or find) the C++ CPU kernels now, so no request waits for the compiler."""
+        t0 = time.perf_counter()
+        ext = cpu_kernels()
+        logger.info("C++ CPU kernels %s in %.1f s", "ready" if ext is not None else "unavailable", time.perf_counter() - t0)
+
+    def _pool_size(self, bytes_per_token: int) -> int:
+        page = self.args.page_size
+        if self.args.max_total_tokens:
+            n = self.args.max_total_tokens
+        else:
+            fraction = self.args.mem_fraction_static
+            n = int(available_memory_bytes(self.device) * fraction // bytes_per_token)
+            n = min(n, 1 << 20)
+        n -= n % page
+        if n < page:
+            raise ValueError(f"max_total_tokens {n} is smaller than one page ({page})")
+        return n
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks the model is split over (1 without tensor parallelism)."""
+        return 1 if self.group is None else self.group.size
+
+    def on_failure(self, hook: Callable[[TensorParallelError], None]) -> None:
+        """Have ``hook`` called when a tensor-parallel worker fails between steps."""
+        if self.driver is not None:
+            self.driver.on_failure(hook)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model on the batch; returns fp32 logits of the rows in ``logits_indices``.
+
+        On rank 0 of a tensor-parallel group, a failure once the plan is sent is a
+        TensorParallelError: the ranks can no longer be in step, so the engine must stop."""
+        if self.driver is None:
+            return self._forward(batch)
+        self.driver.check()
+        try:
+            send_batch(self.group, batch)
+            return self._forward(batch)
+        except Exception as exc:
+            raise self.driver.error_from(exc) from exc
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(batch)
+            if logits is not None:
+                return logits
+        self.attn_backend.init_forward_metadata(batch)
+        hidden = self.model(batch)
+        if batch.logits_indices.numel() == 0:
+            return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        if self.group is not None:
+            logits = self.group.gather_vocab(logits, self.shard.vocab_per_rank, self.config.vocab_size)
+        return logits
+
+    def close(self) -> None:
+        """Stop and join the tensor-parallel workers (nothing to do without them)."""
+        if self.driver is not None:
+            self.driver.close()

@@ -1,0 +1,1 @@
+"""Attention backends: what adapts a ForwardBatch to the attention kernels."""

@@ -1,0 +1,117 @@
+"""Decode steps of a Llama-family model on CPUs in one C++ call (``kernels/csrc/decode_stack.cpp``).
+
+A decode step at batch 1 spends more time launching ~15 PyTorch ops a layer from Python than
+in its matmuls. When nothing in a batch needs the Python path, the model hands every decoder
+layer to the C++ ``DecodeStack``, which runs the same kernels in the same order (so the outputs
+are the same to the bit) without going back to Python in between.
+
+The batches it takes are one query token per row: decode rows and speculative verify rows
+(each draft token a query of its own, as the attention backend plans them), with or without
+shared prefixes (cascade attention). The Python path stays for everything else: prompts to
+prefill, shared prefixes in a KV pool of another dtype than the activations, tensor
+parallelism, GPUs, dtypes other than fp32, weight forms the stack does not take (int8, bf16),
+and machines without the C++ kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.kernels.torch_decode import DecodePlan, cpu_decode_splits
+from radixlm.runtime.layers.attention.backend import TorchAttentionBackend
+
+if TYPE_CHECKING:
+    from radixlm.runtime.layers.forward_batch import ForwardBatch
+    from radixlm.runtime.models.llama import LlamaForCausalLM
+
+StackWeight = tuple[torch.Tensor, int, "torch.Tensor | None"]  # (Q4_1 tiles or fp32 [n, K], n, bias)
+
+
+def stack_weight(module: nn.Module, rows: int) -> StackWeight | None:
+    """What the C++ stack computes ``module`` with for calls of ``rows`` rows, or None where the
+    module would not run Q4_1 tiles or an fp32 matrix there."""
+    if type(module) is nn.Linear:
+        if module.weight.dtype != torch.float32:
+            return None
+        return module.weight, module.out_features, module.bias
+    decode_weight = getattr(module, "decode_weight", None)
+    return decode_weight(rows) if decode_weight is not None else None
+
+
+class DecodeStacks:
+    """The C++ decoder stacks of one model, one per batch size seen (they hold references to the
+    model's weights, not copies); ``run`` takes a batch or declines it."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.enabled = True  # False: every batch takes the Python path (--disable-decode-stack)
+        self._stacks: dict[int, Any] = {}  # rows -> DecodeStack, or None where a layer has no stack form
+
+    def clear(self) -> None:
+        """Forget the stacks (after the model's layers were replaced, e.g. by quantization)."""
+        self._stacks.clear()
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every decoder layer for ``batch``: ``(x, residual)`` after the last, or None when the
+        batch needs the Python path."""
+        plan = self._decode_plan(x, batch)
+        if plan is None:
+            return None
+        rows = x.shape[0]
+        if rows not in self._stacks:
+            self._stacks[rows] = self._build(rows)
+        stack = self._stacks[rows]
+        if stack is None:
+            return None
+        pool = batch.kv_pool
+        cos, sin = rope
+        splits = cpu_decode_splits(rows, plan.longest_suffix, torch.get_num_threads())
+        groups = plan.groups
+        x, residual = stack.forward(
+            x, cos.reshape(rows, -1), sin.reshape(rows, -1), pool.k, pool.v, pool.k_scale, pool.v_scale,
+            float(pool.format.qmax), batch.out_slots, plan.table, plan.rows, plan.prefix_len, plan.suffix_len, splits,
+            [g.rows for g in groups], [g.slots for g in groups], [-1 if g.start is None else g.start for g in groups],
+        )  # fmt: skip
+        return x, residual
+
+    def _decode_plan(self, x: torch.Tensor, batch: ForwardBatch) -> DecodePlan | None:
+        """The batch's decode plan when the stack can run it, else None."""
+        if not self.enabled or x.device.type != "cpu" or x.dtype != torch.float32 or self.model.group is not None:
+            return None
+        if not isinstance(batch.attn_backend, TorchAttentionBackend):
+            return None
+        meta = batch.attn_meta
+        if meta is None or meta.decode is None or meta.extend_rows:
+            return None  # a prompt to prefill; what is left is one query a token, in token order
+        if meta.decode.rows.numel() != x.shape[0]:
+            return None
+        if meta.decode.groups and batch.kv_pool.dtype != x.dtype:
+            return None  # the Python path converts a shared prefix of another dtype once per step
+        return meta.decode
+
+    def _build(self, rows: int):
+        """A stack for calls of ``rows`` rows, or None when some layer has no stack form there."""
+        ext = cpu_kernels()
+        if ext is None:
+            return None
+        first = self.model.layers[0]
+        attn = first.self_attn
+        stack = ext.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps)
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = [stack_weight(m, rows) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(w is None for w in weights) or any(w[2] is not None for w in weights[1:]):
+                return None  # a form the stack has no kernel for, or a bias it does not add (only q/k/v have one)
+            if any(n.weight.dtype != torch.float32 or n.eps != first.input_layernorm.eps for n in norms):
+                return None
+            (qkv, qkv_n, qkv_bias), (o, o_n, _), (gate_up, gate_up_n, _), (down, down_n, _) = weights
+            stack.add_layer(
+                norms[0].weight.detach(), qkv.detach(), qkv_n, None if qkv_bias is None else qkv_bias.detach(),
+                o.detach(), o_n, norms[1].weight.detach(), gate_up.detach(), gate_up_n, down.detach(), down_n,
+            )  # fmt: skip
+        return stack

@@ -1,0 +1,49 @@
+"""ForwardBatch: the tensors and row layout of one model forward pass.
+
+The batch is a flat run of ``T`` new tokens grouped into rows (one row per request). Row ``i``
+extends a sequence that already has ``prefix_lens[i]`` tokens of KV in the pool by
+``extend_lens[i]`` new tokens. Decode rows (one new token each) come first, then prefill rows::
+
+    tokens:  d0 d1 d2 | p0 p0 p0 p0 | p1 p1        (num_decode = 3)
+    rows:    0  1  2  | 3           | 4
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlm.radix_cache.pool import KVPool
+    from radixlm.runtime.layers.attention.backend import AttentionBackend
+
+
+@dataclass
+class ForwardBatch:
+    """Tokens, positions, KV placement and row layout for one forward pass."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] pool slots that receive the new tokens' KV
+    req_rows: torch.Tensor  # [B] rows of the request → slot table
+    prefix_lens: list[int]  # [B] tokens already in the pool per row
+    extend_lens: list[int]  # [B] new tokens per row
+    num_decode: int  # the first num_decode rows have exactly one new token
+    logits_indices: torch.Tensor  # token indices (into T) whose logits are wanted
+    req_to_token: torch.Tensor  # the request → slot table
+    kv_pool: KVPool
+    attn_backend: AttentionBackend
+    attn_meta: Any = field(default=None)
+    inject_worker_fault: bool = False  # test only (--debug-fault-injection): tensor-parallel workers raise in this pass
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return len(self.extend_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Total sequence length of each row after this pass."""
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
