@@ -6,7 +6,7 @@ STAMP := $(VENV)/.radixlm-installed
 PROMPT ?= The capital of France is
 SERVE_ARGS ?=
 
-.PHONY: setup browser run serve test lint bench-peers clean
+.PHONY: setup browser run serve test lint docs bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,10 @@ bench-peers: setup
 
 lint: setup
 	$(BIN)/ruff check .
+
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or anchor.
+docs: setup
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

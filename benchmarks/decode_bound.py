@@ -29,7 +29,7 @@ from report import emit, machine  # noqa: E402
 from weight_forms import weights_as  # noqa: E402
 
 from radixlm.runtime.engine import build_parts
-from radixlm.runtime.layers.quant import Int4Linear, Int8Linear
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs

@@ -28,11 +28,12 @@ from report import emit, machine  # noqa: E402
 from workloads import few_shot_prompts  # noqa: E402
 
 import radixlm.kernels.torch_decode as torch_decode  # noqa: E402
+import radixlm.runtime.layers.activation as activation  # noqa: E402
 import radixlm.runtime.layers.decode_stack as decode_stack  # noqa: E402
+import radixlm.runtime.layers.norm as norm  # noqa: E402
 import radixlm.runtime.layers.rope as rope  # noqa: E402
-import radixlm.runtime.models.llama as llama  # noqa: E402
 from radixlm.runtime.engine import build_parts  # noqa: E402
-from radixlm.runtime.layers.quant import Int4Linear, Int8Linear  # noqa: E402
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear  # noqa: E402
 from radixlm.runtime.request import Req  # noqa: E402
 from radixlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from radixlm.runtime.server_args import ServerArgs  # noqa: E402
@@ -127,7 +128,7 @@ def main() -> None:
     if args.no_cascade:
         torch_decode.MIN_SHARED_PREFIX = 1 << 30
     if args.no_cpp_kernel:
-        for module in (torch_decode, llama, rope, decode_stack):
+        for module in (torch_decode, norm, activation, rope, decode_stack):
             module.cpu_kernels = lambda: None
     rows = {b: profile(b, args.steps, args) for b in args.batch}
     keys = ["decoder stack", "matmuls", "attention", "other forward", "sampling & stop checks", "detokenize", "scheduling & Python"]

@@ -123,7 +123,7 @@ def linear_section(device: torch.device, bandwidth: float, quick: bool) -> list[
         return ["(Triton matmuls run on CUDA only; `tests/test_triton_int8_linear.py` and `tests/test_triton_int4_linear.py` check them in the interpreter)"]
     from radixlm.kernels.triton_int4_linear import int4_linear, pack_halves
     from radixlm.kernels.triton_int8_linear import int8_linear
-    from radixlm.runtime.layers.quant import q4_1_quantize
+    from radixlm.runtime.layers.quantized_linear import q4_1_quantize
 
     rows = ["| weight [N, K] | rows | form | max abs error vs its dequantized weight | µs | weight GB/s | of copy bandwidth |", "|---|---:|---|---:|---:|---:|---:|"]
     gen = torch.Generator(device=device).manual_seed(0)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 import radixlm  # noqa: E402
 from helpers import make_tiny_model  # noqa: E402
 from radixlm.runtime import output as output_mod  # noqa: E402
-from radixlm.runtime import scheduler as scheduler_mod  # noqa: E402
+from radixlm.runtime.scheduler import step as scheduler_mod  # noqa: E402
 
 
 class _Timer:

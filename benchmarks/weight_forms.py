@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from unittest import mock
 
 import radixlm.runtime.layers.quant as quant_mod
-from radixlm.runtime.layers.quant import Int4Linear
+from radixlm.runtime.layers.quantized_linear import Int4Linear
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Attention and fused kernels, tensor in and tensor out: Triton for GPUs, C++ and PyTorch for CPUs.
 
 Nothing here knows batches or requests (the attention backends that adapt a ``ForwardBatch``
-live in ``radixlm.runtime.models``), and nothing here imports ``radixlm.runtime``.
+live in ``radixlm.runtime.layers.attention``), and nothing here imports ``radixlm.runtime``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PyTorch attention over gathered K/V: the extend (prefill) path and a plain-loop reference.
 
-Tensor in, tensor out: the backends in ``radixlm.runtime.layers.attention.backend`` gather a
+Tensor in, tensor out: the backends in ``radixlm.runtime.layers.attention`` gather a
 row's keys from the pool and call these. Grouped-query attention maps query head ``h`` to KV
 head ``h // (H / Hkv)``.
 """

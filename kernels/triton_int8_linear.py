@@ -1,7 +1,7 @@
 """Weight-only int8 matrix multiplication in Triton (GPUs): ``y = (x @ W_q.T) * scale (+ b)``.
 
 ``W_q`` is int8 ``[N, K]`` with one scale per output row, the layout of
-``radixlm.runtime.layers.quant.Int8Linear``. The weights are read as stored (half the bytes of
+``radixlm.runtime.layers.quantized_linear.Int8Linear``. The weights are read as stored (half the bytes of
 bf16, a quarter of fp32), converted to ``x``'s dtype in registers block by block, multiplied with
 a dot into an fp32 accumulator, and scaled once per output at the end (the row's scale is
 constant along K). A decode step is bound by reading the weights, so this is where the bytes pay.

@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from radixlm.runtime.disk_cache import entry_for, write_entry
 from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.models.config import ModelConfig
-from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.registry import family_for
 from radixlm.runtime.models.sharding import plan_shard
 
 logger = logging.getLogger(__name__)
@@ -232,10 +233,11 @@ def prepare_weights(path: str) -> None:
 
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device, group: TPGroup | None = None, rank: int | None = None, size: int = 1
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model for ``path`` on ``device`` in ``dtype`` and fill its weights: only the
-    slices of tensor-parallel rank ``group.rank`` of ``group.size`` when a group is given (or of
-    ``rank`` of ``size``, to load a shard without a group)."""
+) -> tuple[nn.Module, ModelConfig]:
+    """Build the model for ``path`` (its family's class, from ``radixlm.runtime.models.registry``)
+    on ``device`` in ``dtype`` and fill its weights: only the slices of tensor-parallel rank
+    ``group.rank`` of ``group.size`` when a group is given (or of ``rank`` of ``size``, to load a
+    shard without a group)."""
     if is_gguf(path):
         cfg, weights = _gguf_cached(path)
     else:
@@ -244,7 +246,7 @@ def load_model(
         rank, size = group.rank, group.size
     shard = None if rank is None else plan_shard(cfg, rank, size)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, shard, group)
+        model = family_for(cfg.architecture)(cfg, shard, group)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.rebuild(device)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 from radixlm.kernels.attention import reference_attention
 from radixlm.kernels.torch_decode import decode_attention, plan_decode
 from radixlm.radix_cache.pool import KVPool
-from radixlm.runtime.layers.attention.backend import TorchAttentionBackend
+from radixlm.runtime.layers.attention.torch_backend import TorchAttentionBackend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 H, HKV, D, SLOTS = 4, 2, 16, 400
@@ -141,7 +141,7 @@ def test_cpu_decode_splits_fill_the_threads_without_short_chunks():
 def test_short_extend_rows_attend_as_decode_queries_beside_decode_and_long_extend_rows(cpp_kernel, monkeypatch):
     """A verify row (few tokens over a cached prefix) runs as one decode query per token, scattered
     back into place among decode rows and a long extend row; each equals the reference."""
-    from radixlm.runtime.layers.attention.backend import VERIFY_AS_DECODE_MAX
+    from radixlm.runtime.layers.attention.torch_backend import VERIFY_AS_DECODE_MAX
 
     if not cpp_kernel:
         monkeypatch.setattr("radixlm.kernels.torch_decode.cpu_kernels", lambda: None)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TINY_ARCHS
-from radixlm.runtime.layers import rope
-from radixlm.runtime.models import llama
+from radixlm.runtime.layers import activation, rope
+from radixlm.runtime.layers import norm as norm_layer
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
@@ -21,13 +21,13 @@ def ext(cpp_ext):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_matches_the_pytorch_norm(ext, dtype, monkeypatch):
     torch.manual_seed(0)
-    norm = llama.RMSNorm(96, 1e-5)
+    norm = norm_layer.RMSNorm(96, 1e-5)
     norm.weight.data = torch.randn(96)
     norm = norm.to(dtype)
     x, residual = (torch.randn(37, 96) * 3).to(dtype), torch.randn(37, 96).to(dtype)
     fused_sum, fused = norm.add_forward(x, residual)
     plain_norm = norm(x)
-    monkeypatch.setattr(llama, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(norm_layer, "cpu_kernels", lambda: None)
     ref_sum, ref = norm.add_forward(x, residual)
     assert fused.dtype == dtype and torch.equal(fused_sum, ref_sum)
     torch.testing.assert_close(fused, ref, **TOL[dtype])
@@ -64,7 +64,7 @@ def test_decoder_layers_give_the_same_hidden_states_with_and_without_the_kernels
 
     rt = build_parts(ServerArgs(model_path=tiny_model_dirs[arch], max_total_tokens=512))
     out_fused = _prefill_hidden(rt)
-    for module in (llama, rope):
+    for module in (norm_layer, activation, rope):
         monkeypatch.setattr(module, "cpu_kernels", lambda: None)
     out_plain = _prefill_hidden(build_parts(ServerArgs(model_path=tiny_model_dirs[arch], max_total_tokens=512)))  # a cold cache
     torch.testing.assert_close(out_fused, out_plain, atol=1e-4, rtol=1e-4)

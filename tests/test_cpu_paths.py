@@ -17,7 +17,8 @@ from radixlm.runtime.layers.cpu_paths import (
     linear_shapes,
     load_or_measure,
 )
-from radixlm.runtime.layers.quant import Int4Linear, Int8Linear, quantize_model
+from radixlm.runtime.layers.quant import quantize_model
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear
 
 # Timings in the shape of the measurements (ms for one pass's linears, 2 threads):
 # AVX2 without fast bf16: bf16 2.6-4x slower than fp32/int4; int4 wins few rows, fp32 many.

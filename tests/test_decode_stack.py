@@ -9,7 +9,7 @@ from torch import nn
 from helpers import TINY_ARCHS, good_and_bad_requests, run_and_check_only_bad_failed
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.layers.decode_stack import DecodeStacks, stack_weight
-from radixlm.runtime.layers.quant import Int4Linear, Int8Linear
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.server_args import ServerArgs

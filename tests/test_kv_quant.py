@@ -13,7 +13,10 @@ from radixlm.kernels.attention import reference_attention
 from radixlm.kernels.kv_quant import KV_CACHE_DTYPES, dequantize, quantize, resolve_kv_format
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.engine import build_parts
-from radixlm.runtime.layers.attention.backend import VERIFY_AS_DECODE_MAX, TorchAttentionBackend
+from radixlm.runtime.layers.attention.torch_backend import (
+    VERIFY_AS_DECODE_MAX,
+    TorchAttentionBackend,
+)
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 H, HKV, D, SLOTS = 6, 2, 32, 512

@@ -12,8 +12,10 @@ import pytest
 
 from helpers import Driver
 from radixlm import ServerArgs
-from radixlm.runtime import scheduler as scheduler_module
 from radixlm.runtime.engine import build_parts
+from radixlm.runtime.scheduler import (
+    forward as scheduler_module,  # the forward pass reads the clock
+)
 
 CHUNK = 16
 LONG_PROMPT = [(i * 37) % 380 + 5 for i in range(40 * CHUNK)]  # 40 chunks

@@ -19,7 +19,7 @@ from torch import nn
 
 from helpers import missing_under_ci
 from radixlm.kernels.cpu_ext import CSRC
-from radixlm.runtime.layers.quant import Int4Linear, q4_1_quantize, q4_1_tiles
+from radixlm.runtime.layers.quantized_linear import Int4Linear, q4_1_quantize, q4_1_tiles
 
 SHAPES = [(1, 32), (3, 64), (4, 96), (101, 64), (576, 576), (130, 1536)]  # (out, in): tails of a tile, one block, many
 ROWS = [1, 2, 3, 4, 5, 9]  # every pass size of the kernel and a remainder

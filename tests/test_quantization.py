@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from radixlm.runtime.layers.quant import Int4Linear, Int8Linear
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear
 
 
 @pytest.mark.parametrize("cls, tol", [(Int8Linear, 0.02), (Int4Linear, 0.12)])

@@ -24,7 +24,7 @@ from radixlm.runtime.entrypoints.openai.tool_markers import CLOSE, OPEN
 
 # ---------------------------------------------------------------- helpers
 def _parse(mode: str, text: str, name: str | None = None, fmt: ToolFormat = HERMES) -> tuple[str | None, list[dict]]:
-    """The non-streamed message (what openai_api._tool_message returns)."""
+    """The non-streamed message (what openai.chat.chat_choice returns)."""
     return tool_calls.parse_output(mode, text, name, fmt)
 
 
@@ -213,7 +213,7 @@ def test_a_cut_output_never_fabricates_a_call(data, mode):
     if want_calls:  # the calls before the cut are whole (auto); one cut after them may be open
         assert [(c["name"], c["arguments"]) for c in calls[: len(want_calls)]] == [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
         assert len(calls) <= len(want_calls) + 1
-    elif calls:  # opened, then cut: finish_reason "length" (openai_api), no content added
+    elif calls:  # opened, then cut: finish_reason "length" (the OpenAI routes), no content added
         assert content == ("" if mode != "auto" else text[: text.find(OPEN)].rstrip())
     elif mode != "auto":  # cut before a whole call: neither calls nor the partial JSON as content
         assert not content
@@ -223,10 +223,11 @@ def test_a_cut_output_never_fabricates_a_call(data, mode):
 
 # ---------------------------------------------- the server's chunks, OpenAI client
 def _client_assembles(mode: str, text: str, finish: str, name: str | None = None):
-    """The OpenAI client's message from the chunks openai_api sends for ``text`` arriving in 3-char steps."""
+    """The OpenAI client's message from the chunks the OpenAI routes send for ``text`` arriving in 3-char steps."""
     from openai.types.chat import ChatCompletionChunk
 
-    from radixlm.runtime.entrypoints.openai.api import _Plan, _tool_pieces
+    from radixlm.runtime.entrypoints.openai.chat import tool_pieces as _tool_pieces
+    from radixlm.runtime.entrypoints.openai.plan import Plan as _Plan
     from radixlm.runtime.request import ReqOutput
 
     plan = _Plan(True, "m", [[1]], ["p"], {}, 1, True, False, None, tool_mode=mode, tool_name=name)

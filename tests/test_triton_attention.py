@@ -33,7 +33,7 @@ from radixlm.kernels.attention import reference_attention  # noqa: E402
 from radixlm.kernels.triton_decode import decode_attention  # noqa: E402
 from radixlm.kernels.triton_extend import extend_attention  # noqa: E402
 from radixlm.radix_cache.pool import KVPool  # noqa: E402
-from radixlm.runtime.layers.attention.backend import TorchAttentionBackend, select_attention_backend  # noqa: E402
+from radixlm.runtime.layers.attention import TorchAttentionBackend, select_attention_backend  # noqa: E402
 from radixlm.runtime.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from radixlm.runtime.layers.forward_batch import ForwardBatch  # noqa: E402
 

@@ -14,7 +14,7 @@ else:
     pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
 from radixlm.kernels.triton_int4_linear import int4_linear, pack_halves  # noqa: E402
-from radixlm.runtime.layers.quant import Int4Linear, q4_1_quantize  # noqa: E402
+from radixlm.runtime.layers.quantized_linear import Int4Linear, q4_1_quantize  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -14,7 +14,8 @@ else:
     pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
 from radixlm.kernels.triton_int8_linear import int8_linear  # noqa: E402
-from radixlm.runtime.layers.quant import Int4Linear, Int8Linear, quantize_model  # noqa: E402
+from radixlm.runtime.layers.quant import quantize_model  # noqa: E402
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

@@ -16,24 +16,19 @@ A request joins a pair by its ``bootstrap_room`` (the router gives the same room
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from radixlm.runtime.disaggregation.kv_transfer import (
-    DecodeReceiver,
-    KVLayout,
-    KVLink,
-    PrefillSender,
-    SendJob,
-    link_secret,
-    prompt_digest,
-)
+from radixlm.radix_cache.pool import KVPool
+from radixlm.runtime.disaggregation.link import KVLink
+from radixlm.runtime.disaggregation.receiver import DecodeReceiver
+from radixlm.runtime.disaggregation.records import KVLayout, prompt_digest
+from radixlm.runtime.disaggregation.sender import PrefillSender, SendJob
+from radixlm.runtime.disaggregation.shared_secret import link_secret
 from radixlm.runtime.request import ANY_SALT, FinishReason, Req, ReqOutput, same_tenant
-
-if TYPE_CHECKING:
-    from radixlm.runtime.scheduler import Scheduler
-    from radixlm.runtime.server_args import ServerArgs
+from radixlm.runtime.scheduler.hooks import SchedulerOps
+from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +50,21 @@ def open_link_side(args: ServerArgs, runner) -> PrefillSender | DecodeReceiver:
 
 
 class Disaggregation:
-    """The scheduler's prefill/decode hand-over: admission to ``receiving``, KV in and out."""
+    """The scheduler's prefill/decode hand-over (its ``DisaggregationHook``): admission to
+    ``receiving``, KV in and out of ``kv_pool``. The scheduler binds itself at ``attach_pd``."""
 
-    def __init__(self, sched: Scheduler, side: PrefillSender | DecodeReceiver) -> None:
-        self.sched, self.side = sched, side
+    def __init__(self, side: PrefillSender | DecodeReceiver, kv_pool: KVPool) -> None:
+        self.side, self.kv_pool = side, kv_pool
+        self.sched: SchedulerOps | None = None  # set by bind
         self.role = side.role
         self.receiving: dict[int, Req] = {}  # decode side: room -> request waiting for its KV
         self.sending_salts: dict[str, str | None] = {}  # prefill side: rid of a queued hand-over -> its tenant
         if isinstance(side, DecodeReceiver):
             side.on_kv, side.on_failed = self.on_kv, self.on_failed
+
+    def bind(self, sched: SchedulerOps) -> None:
+        """Attach to the scheduler whose requests this side hands over."""
+        self.sched = sched
 
     def requests(self) -> list[Req]:
         """Requests holding KV outside the running queue (waiting for their hand-over)."""
@@ -86,7 +87,7 @@ class Disaggregation:
         sched, kv = self.sched, self.sched.kv
         room, n = req.bootstrap_room, len(req.input_ids)
         if room in self.receiving:
-            sched._fail(req, f"bootstrap_room {room} is already in use by another request")
+            sched.fail(req, f"bootstrap_room {room} is already in use by another request")
             return True
         end = n - 1  # the last prompt token is computed here: it yields the first token's logits
         prefix_slots, node = kv.match(req.cache_ids, min(req.max_cacheable_prefix(), end))
@@ -99,7 +100,7 @@ class Disaggregation:
         except Exception as exc:
             kv.release(state, None)
             sched.waiting.remove(req)
-            sched._finish(req, FinishReason.failure(f"the KV link to the prefill worker is down: {exc}", 503))
+            sched.finish(req, FinishReason.failure(f"the KV link to the prefill worker is down: {exc}", 503))
             return True
         req.kv = state
         sched.note_admission(req, cached, node)
@@ -118,12 +119,12 @@ class Disaggregation:
                 raise RuntimeError("aborted")
             if start != req.kv.kv_len or end != len(req.input_ids) - 1:
                 raise ValueError(f"got positions [{start}, {end}), expected [{req.kv.kv_len}, {len(req.input_ids) - 1})")
-            pool = self.sched.runner.kv_pool
+            pool = self.kv_pool
             pool.scatter_tokens(kv.slots(req.kv, start, end), data.to(pool.device))
             kv.mark_computed(req.kv, end)
             kv.cache_prefix(req.kv, req.cache_ids)
         except Exception as exc:
-            self.sched._finish(req, FinishReason("abort", message="aborted by request") if req.abort_requested else FinishReason.failure(f"storing the received KV failed: {exc}"))
+            self.sched.finish(req, FinishReason("abort", message="aborted by request") if req.abort_requested else FinishReason.failure(f"storing the received KV failed: {exc}"))
             return
         req.bootstrap_room = None  # a retracted request recomputes its prompt here
         req.pd_info = {"received_tokens": end - start, "received_bytes": data.numel(), "transfer_s": round(seconds, 6)}
@@ -133,7 +134,7 @@ class Disaggregation:
         """The hand-over of ``room`` failed (loop thread): end its request, freeing its slots."""
         req = self.receiving.pop(room, None)
         if req is not None and req.finish is None:
-            self.sched._finish(req, FinishReason.failure(message, status))
+            self.sched.finish(req, FinishReason.failure(message, status))
 
     def drop_aborted(self, message: str, status: int | None) -> None:
         """End the receiving requests marked for abortion."""
@@ -141,7 +142,7 @@ class Disaggregation:
             if req.abort_requested:
                 del self.receiving[room]
                 self.side.forget(room)
-                self.sched._finish(req, FinishReason("abort", message=message, status=status))
+                self.sched.finish(req, FinishReason("abort", message=message, status=status))
 
     def abort(self, rid: str, cache_salt: Any = ANY_SALT) -> bool:
         """Mark a receiving request of tenant ``cache_salt`` (or cancel a prefill hand-over) for abortion; False if unknown."""
@@ -168,7 +169,7 @@ class Disaggregation:
             self.side.fail_room(req.bootstrap_room, reason.message or f"the prefill request ended ({reason.type})")
             return None
         start = min(self.side.wanted_start(req.bootstrap_room), n - 1)
-        data = self.sched.runner.kv_pool.gather_tokens(self.sched.kv.slots(req.kv, start, n - 1)).cpu()
+        data = self.kv_pool.gather_tokens(self.sched.kv.slots(req.kv, start, n - 1)).cpu()
         self.sending_salts[req.rid] = req.cache_salt
         return SendJob(req.bootstrap_room, req.rid, n, prompt_digest(req.input_ids), start, data)
 

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, the KV pool and the attention backend; runs ForwardBatches.
 
 Under tensor parallelism (``tp_size > 1``) every rank has a ModelRunner over its shard. Rank 0's
-(the engine's) also starts the workers and, each step, broadcasts the batch plan before running
-its own shard; all ranks then gather the vocabulary slices of the logits.
+(the engine's) also starts the workers, through the ``StartTP`` the engine's assembly gives it,
+and, each step, broadcasts the batch plan before running its own shard; all ranks then gather the
+vocabulary slices of the logits.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.executor.batch_plan import send_batch
 from radixlm.runtime.executor.decode_graphs import DecodeGraphs
-from radixlm.runtime.executor.tp_driver import TensorParallelError, TPDriver
-from radixlm.runtime.layers.attention.backend import select_attention_backend
+from radixlm.runtime.executor.tensor_parallel import StartTP, TensorParallel, TensorParallelError
+from radixlm.runtime.layers.attention import select_attention_backend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 from radixlm.runtime.layers.quant import quantize_model
 from radixlm.runtime.loader import load_model, load_model_config, prepare_weights
@@ -50,21 +51,24 @@ class ModelRunner:
     """Loads the model, sizes and owns the KV pool, and turns a ForwardBatch into logits.
 
     ``group`` and ``pool_tokens`` are given to the runners of tensor-parallel workers; the
-    engine's runner builds its group (and starts the workers) itself when ``args.tp_size > 1``.
+    engine's runner starts the workers and joins their group with ``start_tp`` (the driver the
+    engine's assembly passes in) when ``args.tp_size > 1``.
     """
 
-    def __init__(self, args: ServerArgs, model_path: str, group: TPGroup | None = None, pool_tokens: int | None = None) -> None:
+    def __init__(self, args: ServerArgs, model_path: str, group: TPGroup | None = None, pool_tokens: int | None = None, start_tp: StartTP | None = None) -> None:
+        if args.tp_size > 1 and group is None and start_tp is None:
+            raise ValueError("tp_size > 1 needs start_tp, the tensor-parallel driver that starts the workers")
         self.args = args
         self.device = torch.device(args.resolved_device()) if group is None else group.device
         if self.device.type == "cuda" and args.tp_size > 1 and self.device.index is None:
             self.device = torch.device("cuda", 0)
         self.dtype = args.resolved_dtype(self.device)
-        self.driver: TPDriver | None = None
+        self.driver: TensorParallel | None = None
         self.group = group
         if self.device.type == "cpu" and group is None:
             self._build_cpu_kernels()  # before any worker starts, which then finds them built
         if args.tp_size > 1 and group is None:
-            pool_tokens = self._start_workers(model_path)
+            pool_tokens = self._start_workers(model_path, start_tp)
             self.group = self.driver.group
         try:
             self._load(model_path, pool_tokens)
@@ -74,7 +78,7 @@ class ModelRunner:
             self.close()
             raise
 
-    def _start_workers(self, model_path: str) -> int:
+    def _start_workers(self, model_path: str, start_tp: StartTP) -> int:
         """Plan the pool from the config, start the workers, join the group; returns the pool size."""
         cfg = load_model_config(model_path)
         size = self.args.tp_size
@@ -85,7 +89,7 @@ class ModelRunner:
         pool_tokens = self._pool_size(sum(per_rank) if self.device.type == "cpu" else max(per_rank))
         prepare_weights(model_path)
         threads = configure_threads(self.args.num_threads, share=size)
-        self.driver = TPDriver(self.args, model_path, pool_tokens, threads, self.device)
+        self.driver = start_tp(self.args, model_path, pool_tokens, threads, self.device)
         return pool_tokens
 
     def _load(self, model_path: str, pool_tokens: int | None) -> None:

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 
 from radixlm.runtime.distributed.group import TPGroup, open_store
 from radixlm.runtime.executor.batch_plan import send_stop
+from radixlm.runtime.executor.tensor_parallel import TensorParallelError
 from radixlm.runtime.executor.tp_worker import WorkerSpec, worker_main
-from radixlm.runtime.faults import FatalEngineError
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -30,12 +30,8 @@ READY_TIMEOUT_S = 900.0  # loading a shard of a large model
 JOIN_TIMEOUT_S = 10.0
 
 
-class TensorParallelError(FatalEngineError):
-    """A tensor-parallel worker died, raised, or stopped answering: the group cannot go on."""
-
-
 class TPDriver:
-    """Starts ``tp_size - 1`` workers and holds rank 0's end of the group."""
+    """Starts ``tp_size - 1`` workers and holds rank 0's end of the group (a ``TensorParallel``)."""
 
     def __init__(self, args: ServerArgs, model_path: str, pool_tokens: int, num_threads: int, device: torch.device) -> None:
         size = args.tp_size

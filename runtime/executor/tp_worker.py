@@ -15,6 +15,7 @@ import torch
 
 from radixlm.runtime.distributed.group import TPGroup, join_store
 from radixlm.runtime.executor.batch_plan import receive_batch
+from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.faults import InjectedFault
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
@@ -48,8 +49,6 @@ def _die_with_parent() -> None:
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry point of worker ``spec.rank``: reports ``("ready", None)`` or ``("error", text)`` on ``conn``."""
     _die_with_parent()
-    from radixlm.runtime.executor.model_runner import ModelRunner
-
     try:
         configure_threads(spec.num_threads)
         device = torch.device(spec.args.resolved_device())

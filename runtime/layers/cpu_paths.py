@@ -34,6 +34,7 @@ from torch import nn
 
 from radixlm.kernels.cpu_ext import build_key, source_files
 from radixlm.kernels.paths import cache_dir
+from radixlm.runtime.layers.quantized_linear import Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ def linear_shapes(model: nn.Module) -> Shapes:
 
 def _form_layer(form: str, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """A callable computing ``x @ weight.T`` in ``form`` (fp32 in and out)."""
-    from radixlm.runtime.layers.quant import Int4Linear, Int8Linear
-
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = nn.Parameter(weight, requires_grad=False)
     if form == "fp32":

@@ -1,4 +1,4 @@
-"""Decode steps of a Llama-family model on CPUs in one C++ call (``kernels/csrc/decode_stack.cpp``).
+"""Decode steps of a pre-norm decoder on CPUs in one C++ call (``kernels/csrc/decode_stack.cpp``).
 
 A decode step at batch 1 spends more time launching ~15 PyTorch ops a layer from Python than
 in its matmuls. When nothing in a batch needs the Python path, the model hands every decoder
@@ -11,24 +11,53 @@ shared prefixes (cascade attention). The Python path stays for everything else: 
 prefill, shared prefixes in a KV pool of another dtype than the activations, tensor
 parallelism, GPUs, dtypes other than fp32, weight forms the stack does not take (int8, bf16),
 and machines without the C++ kernels.
+
+The stack knows no model family: each decoder layer describes itself as a ``StackLayer`` (its
+two RMSNorms, fused q/k/v and gate/up projections, output and down projections, head shape),
+and the stack runs every layer as norm, q/k/v, RoPE (rotate-half), attention over the pool,
+output projection, residual add and norm, gate/up, SiLU-and-mul, down projection.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.kernels.torch_decode import DecodePlan, cpu_decode_splits
-from radixlm.runtime.layers.attention.backend import TorchAttentionBackend
+from radixlm.runtime.layers.attention.torch_backend import TorchAttentionBackend
+from radixlm.runtime.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from radixlm.runtime.layers.forward_batch import ForwardBatch
-    from radixlm.runtime.models.llama import LlamaForCausalLM
 
 StackWeight = tuple[torch.Tensor, int, "torch.Tensor | None"]  # (Q4_1 tiles or fp32 [n, K], n, bias)
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """The parts of one pre-norm decoder layer that the stack computes it from."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    input_norm: RMSNorm
+    qkv_proj: nn.Module  # q, k, v rows fused (only it may have a bias)
+    o_proj: nn.Module
+    post_attention_norm: RMSNorm
+    gate_up_proj: nn.Module  # gate rows, then up rows
+    down_proj: nn.Module
+
+
+class StackableLayer(Protocol):
+    """A decoder layer that the stack can run."""
+
+    def stack_layer(self) -> StackLayer:
+        """This layer's current parts (after quantization replaced any, the replacements)."""
 
 
 def stack_weight(module: nn.Module, rows: int) -> StackWeight | None:
@@ -43,11 +72,13 @@ def stack_weight(module: nn.Module, rows: int) -> StackWeight | None:
 
 
 class DecodeStacks:
-    """The C++ decoder stacks of one model, one per batch size seen (they hold references to the
-    model's weights, not copies); ``run`` takes a batch or declines it."""
+    """The C++ decoder stacks of one model's ``layers``, one per batch size seen (they hold
+    references to the model's weights, not copies); ``run`` takes a batch or declines it.
+    A model split by tensor parallelism (``tensor_parallel``) always takes the Python path."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self.model = model
+    def __init__(self, layers: Sequence[StackableLayer], tensor_parallel: bool = False) -> None:
+        self.layers = layers
+        self.tensor_parallel = tensor_parallel
         self.enabled = True  # False: every batch takes the Python path (--disable-decode-stack)
         self._stacks: dict[int, Any] = {}  # rows -> DecodeStack, or None where a layer has no stack form
 
@@ -80,7 +111,7 @@ class DecodeStacks:
 
     def _decode_plan(self, x: torch.Tensor, batch: ForwardBatch) -> DecodePlan | None:
         """The batch's decode plan when the stack can run it, else None."""
-        if not self.enabled or x.device.type != "cpu" or x.dtype != torch.float32 or self.model.group is not None:
+        if not self.enabled or x.device.type != "cpu" or x.dtype != torch.float32 or self.tensor_parallel:
             return None
         if not isinstance(batch.attn_backend, TorchAttentionBackend):
             return None
@@ -98,16 +129,16 @@ class DecodeStacks:
         ext = cpu_kernels()
         if ext is None:
             return None
-        first = self.model.layers[0]
-        attn = first.self_attn
-        stack = ext.DecodeStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, first.input_layernorm.eps)
-        for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights = [stack_weight(m, rows) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        layers = [layer.stack_layer() for layer in self.layers]
+        first = layers[0]
+        eps = first.input_norm.eps
+        stack = ext.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, eps)
+        for layer in layers:
+            weights = [stack_weight(m, rows) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            norms = (layer.input_norm, layer.post_attention_norm)
             if any(w is None for w in weights) or any(w[2] is not None for w in weights[1:]):
                 return None  # a form the stack has no kernel for, or a bias it does not add (only q/k/v have one)
-            if any(n.weight.dtype != torch.float32 or n.eps != first.input_layernorm.eps for n in norms):
+            if any(n.weight.dtype != torch.float32 or n.eps != eps for n in norms):
                 return None
             (qkv, qkv_n, qkv_bias), (o, o_n, _), (gate_up, gate_up_n, _), (down, down_n, _) = weights
             stack.add_layer(

@@ -11,13 +11,22 @@ extends a sequence that already has ``prefix_lens[i]`` tokens of KV in the pool 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from radixlm.radix_cache.pool import KVPool
-    from radixlm.runtime.layers.attention.backend import AttentionBackend
+
+
+class BatchAttention(Protocol):
+    """What a batch's attention backend offers its layers (the backends: ``radixlm.runtime.layers.attention``)."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Prepare whatever index tensors every layer of this batch will reuse."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]``; returns ``[T, H*D]``."""
 
 
 @dataclass
@@ -34,7 +43,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # token indices (into T) whose logits are wanted
     req_to_token: torch.Tensor  # the request → slot table
     kv_pool: KVPool
-    attn_backend: AttentionBackend
+    attn_backend: BatchAttention
     attn_meta: Any = field(default=None)
     inject_worker_fault: bool = False  # test only (--debug-fault-injection): tensor-parallel workers raise in this pass
 

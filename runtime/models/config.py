@@ -5,11 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from radixlm.runtime.models.registry import supported_architectures
 
 
 @dataclass
@@ -46,13 +42,14 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
         archs = cfg.get("architectures") or []
-        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if family is None and not archs and cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        supported = supported_architectures()
+        family = next((supported[a] for a in archs if a in supported), None)
+        if family is None and not archs and cfg.get("model_type") in supported.values():
             family = cfg["model_type"]
         if family is None:
             raise ValueError(
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
-                f"radixlm runs {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"radixlm runs {sorted(supported)}"
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]

@@ -8,6 +8,9 @@ cached prefix through the slot table and writes the new tokens' KV into the pool
 Under tensor parallelism (``shard`` and ``group`` given) each rank builds the same modules at its
 shard's sizes (see ``radixlm.runtime.models.sharding``) and sums the partial outputs of the
 row-parallel projections and of the vocabulary-parallel embedding with one all-reduce each.
+
+Top to bottom: attention, MLP, the decoder layer (norm, attention, norm, MLP), the model
+(embedding, layers, final norm, head), then loading Hugging Face-named weights into it.
 """
 
 from __future__ import annotations
@@ -20,41 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.kernels.cpu_ext import cpu_kernels
-from radixlm.runtime.layers.decode_stack import DecodeStacks
+from radixlm.runtime.layers.activation import silu_and_mul
+from radixlm.runtime.layers.decode_stack import DecodeStacks, StackLayer
 from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.rope import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.registry import register_family
 from radixlm.runtime.models.sharding import TPShard, shard_rows
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.group import TPGroup
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 as Hugging Face does."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalize the last dimension of ``x`` and scale it."""
-        ext = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 else None
-        if ext is not None:
-            return ext.add_rms_norm(x, None, self.weight, self.eps)[1]
-        return self.weight * F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps).to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x + residual`` and its normalized form (one pass on CPUs)."""
-        ext = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 else None
-        if ext is not None:
-            total, normed = ext.add_rms_norm(x, residual, self.weight, self.eps)
-        else:
-            total = x + residual
-            normed = self(total)
-        return total, normed
 
 
 class LlamaAttention(nn.Module):
@@ -96,13 +75,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, projected back to the hidden size."""
-        gate_up = self.gate_up_proj(x)
-        ext = cpu_kernels() if gate_up.device.type == "cpu" and gate_up.dim() == 2 else None
-        if ext is not None:
-            out = self.down_proj(ext.silu_mul(gate_up))
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return out if self.group is None else self.group.all_reduce(out)
 
 
@@ -130,18 +103,16 @@ class LlamaDecoderLayer(nn.Module):
         residual, h = self.post_attention_layernorm.add_forward(self.self_attn(rope, h, batch), residual)
         return self.mlp(h), residual
 
-
-# Hugging Face parameter names → (our parameter, shard index within a fused parameter).
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    def stack_layer(self) -> StackLayer:
+        """This layer's parts, as the fused C++ decode stack reads them."""
+        attn, mlp = self.self_attn, self.mlp
+        return StackLayer(
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm, attn.qkv_proj, attn.o_proj,
+            self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
+        )  # fmt: skip
 
 
+@register_family(LlamaForCausalLM="llama", MistralForCausalLM="mistral", Qwen2ForCausalLM="qwen2")
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM that runs flat token batches over the paged KV pool.
 
@@ -159,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab, bias=False)
         self.head_fp32: torch.Tensor | None = None
-        self.decode_stacks = DecodeStacks(self)  # decode steps on CPUs, every layer in one C++ call
+        self.decode_stacks = DecodeStacks(self.layers, group is not None)  # decode steps on CPUs, every layer in one C++ call
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``input_ids`` (summed over the ranks' vocabulary slices under TP)."""
@@ -259,6 +230,18 @@ class LlamaForCausalLM(nn.Module):
                     break
         if missing:
             raise ValueError(f"checkpoint is missing weights for {missing[:5]}{' …' if len(missing) > 5 else ''}")
+
+
+# ------------------------------------------------ checkpoint names → this model's parameters
+# Hugging Face parameter names → (our parameter, shard index within a fused parameter).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 def _module_of(hf_name: str) -> str:

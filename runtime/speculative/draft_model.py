@@ -47,7 +47,7 @@ import torch
 from radixlm.radix_cache.manager import KVManager
 from radixlm.radix_cache.pool import KVPool
 from radixlm.runtime.executor.model_runner import ModelRunner
-from radixlm.runtime.layers.attention.backend import AttentionBackend, select_attention_backend
+from radixlm.runtime.layers.attention import AttentionBackend, select_attention_backend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 from radixlm.runtime.layers.quant import quantize_model
 from radixlm.runtime.loader import load_model, load_model_config, resolve_model_path

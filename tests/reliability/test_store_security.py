@@ -22,19 +22,11 @@ import torch
 import torch.distributed as dist
 
 from helpers import wait_until
-from radixlm.runtime.disaggregation import kv_transfer
-from radixlm.runtime.disaggregation.kv_transfer import (
-    GENERATION_KEY,
-    HELLO_KEY,
-    SECRET_ENV,
-    SECRET_FILE_ENV,
-    BadRecord,
-    DecodeReceiver,
-    KVLayout,
-    KVLink,
-    link_secret,
-    parse_have,
-)
+from radixlm.runtime.disaggregation import shared_secret
+from radixlm.runtime.disaggregation.link import GENERATION_KEY, HELLO_KEY, KVLink
+from radixlm.runtime.disaggregation.receiver import DecodeReceiver
+from radixlm.runtime.disaggregation.records import BadRecord, KVLayout, parse_have
+from radixlm.runtime.disaggregation.shared_secret import SECRET_ENV, SECRET_FILE_ENV, link_secret
 from radixlm.runtime.distributed.group import TPGroup, join_store, open_store
 from radixlm.runtime.distributed.store import (
     ForgedRecord,
@@ -103,7 +95,7 @@ def _no_ambient_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     (only that file: the rest of the cache, compiled kernels included, stays where it is)."""
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
-    monkeypatch.setattr(kv_transfer, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(shared_secret, "cache_dir", lambda: tmp_path / "cache")
 
 
 # ------------------------------------------------------------------ the store itself

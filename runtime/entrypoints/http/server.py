@@ -66,7 +66,7 @@ def create_app(
     """The FastAPI app serving ``engine`` (docs/security.md says what each key and list opens)."""
     from radixlm.runtime.entrypoints.dashboard import routes as dashboard
     from radixlm.runtime.entrypoints.http import cache_routes
-    from radixlm.runtime.entrypoints.openai import api as openai_api
+    from radixlm.runtime.entrypoints.openai import routes as openai_routes
 
     if api_key is not None and admin_api_key is not None and hmac.compare_digest(api_key, admin_api_key):
         raise ValueError("--admin-api-key must differ from --api-key (the admin key opens every tenant's data)")
@@ -87,7 +87,7 @@ def create_app(
         app.add_middleware(CORSMiddleware, allow_origins=sorted(origins.allowed_origins), allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type", CACHE_SALT_HEADER])
     _add_error_handlers(app)
     _add_native_routes(app, state)
-    openai_api.add_routes(app, state)
+    openai_routes.add_routes(app, state)
     cache_routes.add_routes(app, state)
     dashboard.add_routes(app, state)
     return app

@@ -12,7 +12,7 @@ POLICY_CHOICES = ["cache_aware", "round_robin", "shortest_queue"]
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """The options of ``radixlm router``."""
     p.add_argument("--worker-urls", nargs="+", default=[], metavar="URL", help="The engine servers (radixlm serve) to route to, e.g. http://127.0.0.1:30001.")
-    p.add_argument("--policy", default="cache_aware", choices=POLICY_CHOICES, help="How a worker is chosen per request (default: cache_aware). See README.")
+    p.add_argument("--policy", default="cache_aware", choices=POLICY_CHOICES, help="How a worker is chosen per request (default: cache_aware). See docs/scale-out.md.")
     p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=30000, help="Port to listen on (default: 30000).")
     p.add_argument("--cache-threshold", type=float, default=0.5, help="cache_aware: route to the worker with the longest prefix match when it covers at least this share of the request's text; else to the worker holding the least text (default: 0.5).")

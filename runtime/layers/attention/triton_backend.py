@@ -14,7 +14,7 @@ import torch
 
 from radixlm.kernels.triton_decode import decode_attention, num_kv_splits
 from radixlm.kernels.triton_extend import extend_attention
-from radixlm.runtime.layers.attention.backend import AttentionBackend
+from radixlm.runtime.layers.attention.base import AttentionBackend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 

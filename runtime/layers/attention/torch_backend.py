@@ -1,60 +1,19 @@
-"""Attention backends: what adapts a ForwardBatch to the attention kernels, and how one is chosen.
+"""The PyTorch attention backend: batched decode over the pool, and extend rows one by one.
 
-A backend serves two kinds of rows in one batch (see ``ForwardBatch``):
-
-- decode rows: one new query token attends to every token of its sequence in the pool;
-- extend rows: ``e`` new tokens attend to the ``p`` cached tokens of their sequence and causally
-  to each other (new token ``i`` sees positions ``0 .. p + i``).
-
-Before attending, the backend writes the new tokens' K and V into the pool at ``out_slots``; a
-row's keys are then read through its slot-table row ``req_to_token[row, :p + e]``.
-Grouped-query attention maps query head ``h`` to KV head ``h // (H / Hkv)``. The kernels
-themselves (``radixlm.kernels``) take tensors only and know nothing of batches.
+The reference the other backends are tested against, and the CPU path (its decode kernel runs
+the C++ kernels where they built; see ``radixlm.kernels.torch_decode``).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-from radixlm.kernels import triton_available
 from radixlm.kernels.attention import extend_attention
 from radixlm.kernels.torch_decode import DecodePlan, decode_attention, plan_decode
+from radixlm.runtime.layers.attention.base import AttentionBackend, register_attention_backend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
-
-__all__ = ["AttentionBackend", "TorchAttentionBackend", "select_attention_backend"]
-
-
-def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called ``name`` (``auto``: Triton on CUDA when installed, else PyTorch)."""
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if not triton_available():
-        raise ValueError("attention_backend 'triton' needs the triton package (pip install 'radixlm[triton]')")
-    from radixlm.runtime.layers.attention.triton_backend import TritonAttentionBackend
-
-    return TritonAttentionBackend()
-
-
-class AttentionBackend(ABC):
-    """Computes attention for a ForwardBatch over the paged KV pool."""
-
-    captures_decode = False  # True where the backend has static_decode_metadata (its decode steps can be CUDA graphs)
-
-    @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Prepare whatever index tensors every layer of this batch will reuse."""
-
-    @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]``; returns ``[T, H*D]``."""
-
 
 VERIFY_AS_DECODE_MAX = 16  # extend rows this short over a cached prefix attend as decode queries
 
@@ -67,6 +26,7 @@ class _TorchMeta:
     decode_tokens: torch.Tensor | None = None  # token indices of the decode queries, when not 0 .. nd-1
 
 
+@register_attention_backend("torch")
 class TorchAttentionBackend(AttentionBackend):
     """Scaled-dot-product attention in PyTorch: batched for decode rows, per row for extends."""
 
