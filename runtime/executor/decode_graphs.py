@@ -32,7 +32,7 @@ from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from radixlm.radix_cache.pool import KVPool
-    from radixlm.runtime.layers.attention import AttentionBackend
+    from radixlm.runtime.layers.attention.base import DecodeCapturingBackend
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class DecodeGraphs:
         self,
         model: torch.nn.Module,
         kv_pool: KVPool,
-        attn_backend: AttentionBackend,  # one whose captures_decode is True
+        attn_backend: DecodeCapturingBackend,
         pad_write_slot: int,
         max_bs: int,
         make_graph: Callable[[], StepGraph] | None = None,

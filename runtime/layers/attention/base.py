@@ -32,7 +32,7 @@ __all__ = ["AttentionBackend", "register_attention_backend", "register_unavailab
 class AttentionBackend(ABC):
     """Computes attention for a ForwardBatch over the paged KV pool."""
 
-    captures_decode = False  # True where the backend has static_decode_metadata (its decode steps can be CUDA graphs)
+    captures_decode = False  # True for a DecodeCapturingBackend (its decode steps can be CUDA graphs)
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -42,10 +42,15 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
         """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]``; returns ``[T, H*D]``."""
 
+
+class DecodeCapturingBackend(AttentionBackend):
+    """A backend whose decode steps can be CUDA graphs: it reads a graph's fixed input tensors."""
+
+    captures_decode = True
+
+    @abstractmethod
     def static_decode_metadata(self, req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, num_kv_heads: int) -> Any:
-        """Metadata of a decode-only batch over fixed ``req_rows`` (int64) and ``seq_lens`` (int32)
-        tensors, a CUDA graph's inputs (only where ``captures_decode``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not capture decode steps")
+        """Metadata of a decode-only batch over fixed ``req_rows`` (int64) and ``seq_lens`` (int32) tensors."""
 
 
 Factory = TypeVar("Factory", bound=Callable[[], AttentionBackend])

@@ -14,7 +14,7 @@ import torch
 
 from radixlm.kernels.triton_decode import decode_attention, num_kv_splits
 from radixlm.kernels.triton_extend import extend_attention
-from radixlm.runtime.layers.attention.base import AttentionBackend
+from radixlm.runtime.layers.attention.base import DecodeCapturingBackend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 
@@ -33,7 +33,7 @@ class _TritonMeta:
     mid_lse: torch.Tensor | None = None  # [Bd, H, S] fp32
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(DecodeCapturingBackend):
     """Attention with Triton kernels; decode rows use split-KV, extend rows a causal paged kernel."""
 
     def __init__(self, min_split_tokens: int = 256, max_kv_splits: int = 16) -> None:
@@ -63,8 +63,6 @@ class TritonAttentionBackend(AttentionBackend):
             q_starts=_int32(q_starts, device),
             max_extend_len=max(ext_lens, default=0),
         )
-
-    captures_decode = True
 
     def static_decode_metadata(self, req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, num_kv_heads: int) -> _TritonMeta:
         """Metadata of a decode-only batch over fixed ``req_rows`` (int64) and ``seq_lens`` (int32) tensors
