@@ -7,12 +7,13 @@
    against the device's copy bandwidth: decode attention reads each row's KV once, so bytes read
    over time says how close it runs to the memory bound.
 4. The Triton weight-only matmuls (int8, int4) at model sizes against bf16: error, and weight
-   bytes read per second against the copy bandwidth.
+   bytes read per second against the copy bandwidth; then those of pre-quantized checkpoints
+   (FP8 per-channel and 128x128 blocks, int4 with zero points) at [4096, 4096].
 5. Decode steps replayed from CUDA graphs against eager ones: the same greedy text, and tok/s at
    batch 1, 8 and 32.
 6. The few-shot workload end to end (SmolLM2, 64 prompts sharing a prefix, greedy), in tok/s.
 
-    python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.md]
+    python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.md] [--only pre-quantized]
 
 ``--device cpu`` runs the same steps at tiny sizes on the CPU (PyTorch attention only), to check
 the script itself where no GPU is lent.
@@ -149,6 +150,57 @@ def linear_section(device: torch.device, bandwidth: float, quick: bool) -> list[
     return rows
 
 
+def checkpoint_linear_section(device: torch.device, bandwidth: float, quick: bool) -> list[str]:
+    """The Triton matmuls of pre-quantized checkpoints (FP8 per-channel and 128x128 blocks, AWQ/GPTQ
+    int4 with zero points) against bf16 F.linear at [4096, 4096]: error, time, rows per second."""
+    if device.type != "cuda":
+        return ["(Triton matmuls run on CUDA only; `tests/test_triton_fp8_linear.py` and `tests/test_triton_int4_linear.py` check them in the interpreter)"]
+    from triton.testing import do_bench
+
+    from radixlm.kernels.triton_fp8_linear import fp8_linear
+    from radixlm.kernels.triton_int4_linear import int4_zp_linear, pack_halves
+
+    rows = [
+        "Two times: µs per call as the host sees it (`timed`, launch included, as above), and µs on the GPU (`triton.testing.do_bench`: CUDA events, L2 flushed), from which rows/s, the speed against bf16 and the bandwidth are computed.",
+        "",
+        "| weight [N, K] | rows | form | max abs error vs its dequantized weight | µs per call | µs on the GPU | rows/s | vs bf16 | weight GB/s | of copy bandwidth |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = k = 4096
+    w = torch.randn(n, k, device=device, generator=gen) * 0.05
+    wb = w.to(torch.bfloat16)
+    channel = (w.abs().amax(dim=1) / 448).clamp(min=1e-12)  # per output row, e4m3's largest value at the row's max
+    fp8_channel = (w / channel[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    blocks = (w.reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+    full = blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    fp8_block = (w / full).to(torch.float8_e4m3fn).view(torch.uint8)
+    group = 128
+    g = w.reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    zscale = ((hi - lo) / 15).clamp(min=1e-6).half()
+    zero = torch.round(-lo / zscale.float()).clamp(0, 15).to(torch.uint8)
+    codes = torch.round(g / zscale.float()[..., None] + zero.float()[..., None]).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    halves = pack_halves(codes)
+    deq_zp = ((codes.float().reshape(n, -1, group) - zero.float()[..., None]) * zscale.float()[..., None]).reshape(n, k)
+    forms = {  # form: (call on x, the weight it multiplies, bytes of weight it reads)
+        "bf16": (functools.partial(torch.nn.functional.linear, weight=wb), wb.float(), wb.nbytes),
+        "fp8 per-channel": (functools.partial(fp8_linear, weight=fp8_channel, scale=channel), fp8_channel.view(torch.float8_e4m3fn).float() * channel[:, None], fp8_channel.nbytes + channel.nbytes),
+        "fp8 128x128 blocks": (functools.partial(fp8_linear, weight=fp8_block, scale=blocks, block=(128, 128)), fp8_block.view(torch.float8_e4m3fn).float() * full, fp8_block.nbytes + blocks.nbytes),
+        "int4 zero points, group 128": (functools.partial(int4_zp_linear, halves=halves, scale=zscale, zero=zero, group=group), deq_zp, halves.nbytes + zscale.nbytes + zero.nbytes),
+    }
+    for m in (1, 32):
+        x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+        base = None
+        for name, (fn, dense, nbytes) in forms.items():
+            error = (fn(x).float() - x.float() @ dense.T).abs().max().item()
+            host = timed(functools.partial(fn, x), device)
+            seconds = do_bench(functools.partial(fn, x)) / 1e3
+            base = base or seconds
+            rows.append(f"| [{n}, {k}] | {m} | {name} | {error:.2e} | {host * 1e6:.1f} | {seconds * 1e6:.1f} | {m / seconds:,.0f} | {base / seconds:.2f}x | {nbytes / seconds / 1e9:.0f} | {nbytes / seconds / (bandwidth / 2):.0%} |")
+    return rows
+
+
 def graph_section(device: torch.device, quick: bool) -> list[str]:
     """Decode speed and greedy text with and without CUDA graphs of the decode step (SmolLM2, side by side)."""
     if device.type != "cuda":
@@ -198,6 +250,7 @@ def end_to_end_section(device: torch.device, quick: bool) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", default="", help="run only the sections whose title contains this text (case-insensitive; the device is always described), e.g. 'pre-quantized'")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "gpu_check.md"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -209,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# GPU check ({datetime.date.today()})", "", f"Command: `benchmarks/gpu_check.py --device {args.device}`", "", "## Device", ""]
     described, bandwidth = device_section(device, quick)
     lines += described
-    for title, section in (("Tests on the device", lambda: tests_section(device, quick)), ("Triton decode attention", lambda: kernel_section(device, bandwidth, quick)), ("Triton weight-only matmuls", lambda: linear_section(device, bandwidth, quick)), ("CUDA graphs of the decode step", lambda: graph_section(device, quick)), ("Few-shot workload", lambda: end_to_end_section(device, quick))):
+    for title, section in (("Tests on the device", lambda: tests_section(device, quick)), ("Triton decode attention", lambda: kernel_section(device, bandwidth, quick)), ("Triton weight-only matmuls", lambda: linear_section(device, bandwidth, quick)), ("Triton matmuls of pre-quantized checkpoints", lambda: checkpoint_linear_section(device, bandwidth, quick)), ("CUDA graphs of the decode step", lambda: graph_section(device, quick)), ("Few-shot workload", lambda: end_to_end_section(device, quick))):
+        if args.only.lower() not in title.lower():
+            continue
         lines += ["", f"## {title}", ""]
         try:
             lines += section()

@@ -41,7 +41,7 @@ def test_sharded_safetensors_load_the_same_weights(tiny_llama, tmp_path):
 
 
 def test_smollm2_gguf_config(smollm2_path):
-    from radixlm.runtime.loader import _gguf_config
+    from radixlm.runtime.checkpoints.gguf import gguf_config as _gguf_config
 
     cfg = _gguf_config(smollm2_path)
     assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)

@@ -158,12 +158,13 @@ def test_tp_greedy_output_equals_one_process_on_tiny_models(tp_models, model, si
 
 
 def test_smollm2_greedy_output_is_identical_at_tp_2(smollm2_path):
-    """SmolLM2's 3 KV groups split 2 + 1 (tp=3 is the tiny ``groups3`` case above)."""
+    """SmolLM2's 3 KV groups split 2 + 1 (tp=3 is the tiny ``groups3`` case above). Ranks split
+    dense weights, so the single process dequantizes the GGUF file too (--quantization none)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
     params = {"max_new_tokens": 16, "temperature": 0}
     outputs = {}
     for size in (1, 2):
-        with radixlm.Engine(model_path=smollm2_path, tp_size=size, max_total_tokens=1024) as engine:
+        with radixlm.Engine(model_path=smollm2_path, tp_size=size, max_total_tokens=1024, quantization="none") as engine:
             outputs[size] = [o["output_ids"] for o in engine.generate(prompts, params)]
             stats = engine.get_stats()
     assert outputs[2] == outputs[1]
@@ -296,3 +297,27 @@ def test_server_with_tp_2_serves_the_openai_client_and_exits_nonzero_when_a_work
         assert _wait(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 30)
     finally:
         server.stop()
+
+
+def test_a_ready_report_read_while_joining_still_counts():
+    """A worker that loads before rank 0 has joined reports ready into the failure check's read."""
+    import multiprocessing as mp
+    import threading
+    from types import SimpleNamespace
+
+    from radixlm.runtime.executor.tp_driver import TPDriver
+
+    receive, send = mp.Pipe(duplex=False)
+    send.send(("ready", None))
+    driver = TPDriver.__new__(TPDriver)
+    alive, _keep = mp.Pipe(duplex=False)  # a waitable that never fires: the worker's exit sentinel
+    driver.conns, driver.workers = [receive], [SimpleNamespace(is_alive=lambda: True, exitcode=None, sentinel=alive)]
+    driver.failure, driver._lock, driver._ready, driver._closing = None, threading.RLock(), set(), False
+    driver._watcher, driver._on_failure = None, None
+    driver.check(wait_s=0.0)  # what _join does while the group forms: it reads the report
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (driver.wait_ready(), done.set()), daemon=True)
+    waiter.start()
+    assert done.wait(30), "wait_ready waited for a report already read"
+    driver._closing = True
+    driver._watcher.join(30)

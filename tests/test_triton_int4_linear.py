@@ -13,7 +13,7 @@ if os.environ.get("CI"):  # CI installs Triton: a failed install must fail the r
 else:
     pytest.importorskip("triton", reason="triton is not installed; the Triton kernels cannot run")
 
-from radixlm.kernels.triton_int4_linear import int4_linear, pack_halves  # noqa: E402
+from radixlm.kernels.triton_int4_linear import int4_linear, int4_zp_linear, pack_halves  # noqa: E402
 from radixlm.runtime.layers.quantized_linear import Int4Linear, q4_1_quantize  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -80,3 +80,49 @@ def test_int4_layer_on_the_triton_kernel_matches_the_cpu_kernels_layer():
     torch.testing.assert_close(gpu_form(x), want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="dense_from"):
         Int4Linear(linear, dense_from=64, kernel="triton")
+
+
+# ------------------------------------------------------------ zero points (AWQ / GPTQ)
+def _zp_weight(n: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random codes [N, K], fp16 scales and uint8 zero points [N, K/group], and the weight they stand for."""
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.1 + 0.01).half()
+    zero = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
+    w = (codes.float().reshape(n, -1, group) - zero.float()[..., None]) * scale.float()[..., None]
+    return codes, scale, zero, w.reshape(n, k)
+
+
+# K = 2 groups (the high nibbles start at group 1), 3 groups (a group straddles the halves), 5 groups
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(("m", "n", "groups", "bias"), [(1, 40, 2, False), (3, 33, 3, True), (18, 17, 5, True)])
+def test_int4_zp_linear_equals_the_dequantized_product(group, m, n, groups, bias):
+    gen = torch.Generator().manual_seed(group + m * 100 + n)
+    k = groups * group
+    codes, scale, zero, w = _zp_weight(n, k, group, gen)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = int4_zp_linear(x, pack_halves(codes), scale, zero, group, b)
+    want = x @ w.T + (b if bias else 0)
+    assert got.shape == (m, n) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_zp_linear_multiplies_in_fp16_and_returns_it():
+    gen = torch.Generator().manual_seed(5)
+    codes, scale, zero, w = _zp_weight(24, 128, 64, gen)
+    x = torch.randn(2, 128, generator=gen).half()
+    got = int4_zp_linear(x, pack_halves(codes), scale, zero, 64)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), x.float() @ w.T, atol=2e-2, rtol=2e-3)
+
+
+def test_int4_zp_linear_refuses_other_groups_and_shapes():
+    halves = torch.zeros(8, 64, dtype=torch.uint8)
+    scale = torch.ones(8, 2, dtype=torch.float16)
+    zero = torch.zeros(8, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="group must be"):
+        int4_zp_linear(torch.zeros(2, 128), halves, scale, zero, 16)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        int4_zp_linear(torch.zeros(2, 96), torch.zeros(8, 48, dtype=torch.uint8), scale, zero, 128)
+    with pytest.raises(ValueError, match="uint8 zero"):
+        int4_zp_linear(torch.zeros(2, 128), halves, scale, zero.half(), 64)

@@ -34,5 +34,5 @@ cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release $isa \
   -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
   -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-cmake --build llama.cpp/build --target llama-server llama-bench -j "$(nproc)"
+cmake --build llama.cpp/build --target llama-server llama-bench llama-quantize -j "$(nproc)"
 echo "built: $PEERS_DIR/llama.cpp/build/bin/llama-server"

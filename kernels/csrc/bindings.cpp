@@ -18,5 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sin"));
   m.def("q4_linear", &q4_linear, "x @ W.T for float32 x [M, K] and W [n, K] in Q4_1 tiles of 4 rows", py::arg("x"),
         py::arg("tiles"), py::arg("n"));
+  m.def("gguf_linear", &gguf_linear, "x @ W.T for float32 x [M, K] and W the row parts of GGUF blocks (uint8 [n_i, row_bytes], one type id each)",
+        py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("n"));
+  m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "The rows ids of GGUF blocks of one type, dequantized exactly to float32 [T, k]",
+        py::arg("blocks"), py::arg("type"), py::arg("ids"), py::arg("k"));
+  m.def("gguf_native_types", &gguf_native_types, "The GGUF type ids gguf_linear and gguf_dequantize_rows take");
+  m.def("fp8_linear", &fp8_linear, "x @ (W * scale).T for float32 x [M, K] and W the e4m3 bytes [N, K] (uint8), scales per tensor, row or [block_n, block_k] block",
+        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("block_n") = 0, py::arg("block_k") = 0);
   bind_decode_stack(m);
 }

@@ -14,8 +14,8 @@
 //   residual, h = add_rms_norm(a @ Wo.T, residual)
 //   x           = silu_mul(h @ Wgate_up.T) @ Wdown.T
 //
-// A linear layer's weight is either Q4_1 tiles (uint8, q4_matmul.h's layout) or a dense float32
-// matrix; only the fused q/k/v projection may have a bias.
+// A linear layer's weight is Q4_1 tiles (uint8, q4_matmul.h's layout), a dense float32 matrix,
+// or row parts of GGUF blocks (gguf_linear.cpp); only the fused q/k/v projection may have a bias.
 
 #include <torch/extension.h>
 
@@ -27,25 +27,40 @@
 
 namespace {
 
-// y = x @ W.T (+ b), as Int4Linear (Q4_1 tiles, then the bias added) or F.linear (float32) computes it.
+// y = x @ W.T (+ b), as Int4Linear (Q4_1 tiles, then the bias added), F.linear (float32) or
+// GGUFLinear (GGUF parts, then the bias added) computes it.
 struct Linear {
-  torch::Tensor weight;  // uint8 Q4_1 tiles, or float32 [n, K]
+  std::vector<torch::Tensor> weight;  // without types: one tensor, uint8 Q4_1 tiles or float32 [n, K]; with: the GGUF parts
+  std::vector<int64_t> types;         // the GGUF parts' type ids (empty for the other two kinds)
   int64_t n;
   c10::optional<torch::Tensor> bias;
 
-  Linear(torch::Tensor w, int64_t out_features, c10::optional<torch::Tensor> b = c10::nullopt)
-      : weight(std::move(w)), n(out_features), bias(std::move(b)) {
-    TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "a decode-stack weight must be a 2-D CPU tensor");
-    TORCH_CHECK(weight.scalar_type() == torch::kUInt8 || (weight.scalar_type() == torch::kFloat && weight.size(0) == n),
-                "a decode-stack weight must be Q4_1 tiles (uint8) or float32 [n, K]");
+  Linear(std::vector<torch::Tensor> w, std::vector<int64_t> t, int64_t out_features, c10::optional<torch::Tensor> b = c10::nullopt)
+      : weight(std::move(w)), types(std::move(t)), n(out_features), bias(std::move(b)) {
+    if (types.empty()) {
+      TORCH_CHECK(weight.size() == 1, "a decode-stack weight without GGUF types must be one tensor");
+      const auto& w0 = weight[0];
+      TORCH_CHECK(w0.device().is_cpu() && w0.dim() == 2, "a decode-stack weight must be a 2-D CPU tensor");
+      TORCH_CHECK(w0.scalar_type() == torch::kUInt8 || (w0.scalar_type() == torch::kFloat && w0.size(0) == n),
+                  "a decode-stack weight must be Q4_1 tiles (uint8) or float32 [n, K]");
+    } else {
+      TORCH_CHECK(weight.size() == types.size(), "a GGUF decode-stack weight needs one type per part");
+      int64_t rows = 0;
+      for (const auto& p : weight) {
+        TORCH_CHECK(p.device().is_cpu() && p.dim() == 2 && p.scalar_type() == torch::kUInt8,
+                    "a GGUF decode-stack part must be a 2-D uint8 CPU tensor of blocks");
+        rows += p.size(0);
+      }
+      TORCH_CHECK(rows == n, "the GGUF parts have ", rows, " rows in all, not n = ", n);
+    }
     if (bias.has_value()) {
       TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == n, "a bias must be float32 [n]");
     }
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (weight.scalar_type() == torch::kFloat) return at::linear(x, weight, bias);
-    auto y = q4_linear(x, weight, n);
+    if (types.empty() && weight[0].scalar_type() == torch::kFloat) return at::linear(x, weight[0], bias);
+    auto y = types.empty() ? q4_linear(x, weight[0], n) : gguf_linear(x, weight, types, n);
     return bias.has_value() ? y + *bias : y;
   }
 };
@@ -65,18 +80,23 @@ class DecodeStack {
     TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be positive and even");
   }
 
-  // Append a layer; each weight is uint8 Q4_1 tiles with its output count n, or float32 [n, K].
-  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, int64_t qkv_n, c10::optional<torch::Tensor> qkv_bias,
-                 torch::Tensor o, int64_t o_n, torch::Tensor post_norm, torch::Tensor gate_up, int64_t gate_up_n,
-                 torch::Tensor down, int64_t down_n) {
+  // Append a layer; each weight is its tensors, their GGUF type ids and its output count n: one
+  // tensor and no types (uint8 Q4_1 tiles, or float32 [n, K]), or GGUF row parts and their types.
+  void add_layer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv, std::vector<int64_t> qkv_types, int64_t qkv_n,
+                 c10::optional<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o, std::vector<int64_t> o_types,
+                 int64_t o_n, torch::Tensor post_norm, std::vector<torch::Tensor> gate_up,
+                 std::vector<int64_t> gate_up_types, int64_t gate_up_n, std::vector<torch::Tensor> down,
+                 std::vector<int64_t> down_types, int64_t down_n) {
     const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     TORCH_CHECK(qkv_n == q_size + 2 * kv_size, "qkv must have heads * head_dim + 2 * kv_heads * head_dim outputs");
     TORCH_CHECK(gate_up_n % 2 == 0, "gate_up must have an even number of outputs");
     TORCH_CHECK(input_norm.scalar_type() == torch::kFloat && post_norm.scalar_type() == torch::kFloat,
                 "the norms' weights must be float32");
     TORCH_CHECK(input_norm.numel() == post_norm.numel(), "the two norms must have the hidden size");
-    layers_.push_back(Layer{input_norm, post_norm, Linear(qkv, qkv_n, qkv_bias), Linear(o, o_n), Linear(gate_up, gate_up_n),
-                            Linear(down, down_n)});
+    layers_.push_back(Layer{input_norm, post_norm, Linear(std::move(qkv), std::move(qkv_types), qkv_n, qkv_bias),
+                            Linear(std::move(o), std::move(o_types), o_n),
+                            Linear(std::move(gate_up), std::move(gate_up_types), gate_up_n),
+                            Linear(std::move(down), std::move(down_types), down_n)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -198,9 +218,11 @@ void bind_decode_stack(pybind11::module& m) {
   py::class_<DecodeStack>(m, "DecodeStack", "A Llama-family decoder stack for decode steps, every layer in one call")
       .def(py::init<int64_t, int64_t, int64_t, double>(), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("eps"))
-      .def("add_layer", &DecodeStack::add_layer, "Append a layer (each weight: Q4_1 tiles or float32 [n, K])",
-           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_n"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_n"),
-           py::arg("post_norm"), py::arg("gate_up"), py::arg("gate_up_n"), py::arg("down"), py::arg("down_n"))
+      .def("add_layer", &DecodeStack::add_layer,
+           "Append a layer (each weight: [Q4_1 tiles] or [float32 [n, K]] with no types, or GGUF parts and their type ids)",
+           py::arg("input_norm"), py::arg("qkv"), py::arg("qkv_types"), py::arg("qkv_n"), py::arg("qkv_bias"), py::arg("o"),
+           py::arg("o_types"), py::arg("o_n"), py::arg("post_norm"), py::arg("gate_up"), py::arg("gate_up_types"),
+           py::arg("gate_up_n"), py::arg("down"), py::arg("down_types"), py::arg("down_n"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, "Every layer for B decode tokens; returns (x, residual)", py::arg("x"),
            py::arg("cos"), py::arg("sin"), py::arg("k_pools"), py::arg("v_pools"), py::arg("k_scales"),

@@ -17,4 +17,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, torch::Tensor scales, double qmax);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor tiles, int64_t n);
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types, int64_t n);
+torch::Tensor gguf_dequantize_rows(torch::Tensor blocks, int64_t type, torch::Tensor ids, int64_t k);
+std::vector<int64_t> gguf_native_types();
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, int64_t block_n, int64_t block_k);
 void bind_decode_stack(pybind11::module& m);

@@ -24,7 +24,14 @@ from radixlm.runtime.executor.tensor_parallel import StartTP, TensorParallel, Te
 from radixlm.runtime.layers.attention import select_attention_backend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 from radixlm.runtime.layers.quant import quantize_model
-from radixlm.runtime.loader import load_model, load_model_config, prepare_weights
+from radixlm.runtime.loader import (
+    load_model,
+    load_model_config,
+    prepare_weights,
+    serve_as_stored,
+    stored_formats,
+    weight_bytes,
+)
 from radixlm.runtime.models.sharding import plan_shard
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
@@ -94,12 +101,17 @@ class ModelRunner:
 
     def _load(self, model_path: str, pool_tokens: int | None) -> None:
         args = self.args
-        self.model, self.config = load_model(model_path, self.dtype, self.device, self.group)
+        self.weight_formats = stored_formats(model_path)
+        # tensor-parallel ranks split dense weights: a stored checkpoint is dequantized for them
+        native = self.group is None and serve_as_stored(self.weight_formats, args.quantization)
+        self.model, self.config = load_model(model_path, self.dtype, self.device, self.group, native=native)
         shard = self.shard = self.model.shard
-        if args.quantization:
+        if args.quantization not in (None, "none") and not (native and self.weight_formats):
             quantize_model(self.model, args.quantization)
         elif self.dtype != torch.float32 and self.device.type == "cpu":
             self.model.keep_head_in_fp32()
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("weights: %.1f MiB in memory%s", self.weight_bytes / 2**20, f" ({', '.join(sorted(self.weight_formats))} as stored)" if native and self.weight_formats else "")
         self.model.decode_stacks.enabled = not args.disable_decode_stack
         self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.dtype)

@@ -44,6 +44,7 @@ class TPDriver:
         self._closing = False
         self._lock = threading.RLock()  # the watcher and the engine's loop thread both read the pipes
         self._on_failure: Callable[[TensorParallelError], None] | None = None
+        self._ready: set[int] = set()  # workers whose "ready" a failure check read first
         for rank in range(1, size):
             receive, send = ctx.Pipe(duplex=False)
             # the secret travels in the pickled spec over spawn's pipe, never on a command line
@@ -83,11 +84,13 @@ class TPDriver:
 
     def wait_ready(self) -> None:
         """Block until every worker has loaded its shard; raise what one reported instead."""
-        pending = set(range(len(self.workers)))
+        pending = set(range(len(self.workers))) - self._ready
         deadline = time.monotonic() + READY_TIMEOUT_S
         while pending:
             for i in list(pending):
-                if self.conns[i].poll():
+                if i in self._ready:
+                    pending.discard(i)
+                elif self.conns[i].poll():
                     kind, text = self.conns[i].recv()
                     if kind != "ready":
                         self._fail(text)
@@ -133,6 +136,8 @@ class TPDriver:
                         kind, text = conn.recv()
                         if kind == "error":
                             self._fail(text)
+                        elif kind == "ready":  # read while joining: wait_ready must not wait for it again
+                            self._ready.add(i)
                 except (EOFError, OSError):
                     pass
                 if self.failure is None and not proc.is_alive():

@@ -12,6 +12,10 @@ prefill, shared prefixes in a KV pool of another dtype than the activations, ten
 parallelism, GPUs, dtypes other than fp32, weight forms the stack does not take (int8, bf16),
 and machines without the C++ kernels.
 
+A linear's weight reaches the stack through ``stack_weight``: an fp32 ``nn.Linear``'s matrix, or
+what a quantized layer's ``decode_weight(rows)`` returns (Q4_1 tiles as ``(tiles, n, bias)``, or
+GGUF blocks as a ``GGUFStackWeight``).
+
 The stack knows no model family: each decoder layer describes itself as a ``StackLayer`` (its
 two RMSNorms, fused q/k/v and gate/up projections, output and down projections, head shape),
 and the stack runs every layer as norm, q/k/v, RoPE (rotate-half), attention over the pool,
@@ -35,7 +39,25 @@ from radixlm.runtime.layers.norm import RMSNorm
 if TYPE_CHECKING:
     from radixlm.runtime.layers.forward_batch import ForwardBatch
 
-StackWeight = tuple[torch.Tensor, int, "torch.Tensor | None"]  # (Q4_1 tiles or fp32 [n, K], n, bias)
+
+
+@dataclass(frozen=True)
+class GGUFStackWeight:
+    """A weight kept as GGUF blocks, as a layer's ``decode_weight`` hands it to the stack.
+
+    ``parts[i]`` (``uint8 [n_i, row_bytes_i]``, the rows of GGUF type id ``types[i]``) stacked
+    along the rows make the ``[n, K]`` weight. The stack computes ``gguf_linear(x, parts, types,
+    n)`` and then adds ``bias`` (float32 ``[n]``, or None), so a layer whose forward computes the
+    same gets the same outputs to the bit.
+    """
+
+    parts: list[torch.Tensor]
+    types: list[int]
+    n: int
+    bias: torch.Tensor | None = None
+
+
+StackWeight = tuple[torch.Tensor, int, "torch.Tensor | None"] | GGUFStackWeight  # (Q4_1 tiles or fp32 [n, K], n, bias), or GGUF parts
 
 
 @dataclass(frozen=True)
@@ -62,7 +84,7 @@ class StackableLayer(Protocol):
 
 def stack_weight(module: nn.Module, rows: int) -> StackWeight | None:
     """What the C++ stack computes ``module`` with for calls of ``rows`` rows, or None where the
-    module would not run Q4_1 tiles or an fp32 matrix there."""
+    module would not run Q4_1 tiles, an fp32 matrix or GGUF blocks there."""
     if type(module) is nn.Linear:
         if module.weight.dtype != torch.float32:
             return None
@@ -134,15 +156,27 @@ class DecodeStacks:
         eps = first.input_norm.eps
         stack = ext.DecodeStack(first.num_heads, first.num_kv_heads, first.head_dim, eps)
         for layer in layers:
-            weights = [stack_weight(m, rows) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            found = [stack_weight(m, rows) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
             norms = (layer.input_norm, layer.post_attention_norm)
-            if any(w is None for w in weights) or any(w[2] is not None for w in weights[1:]):
-                return None  # a form the stack has no kernel for, or a bias it does not add (only q/k/v have one)
+            if any(w is None for w in found):
+                return None  # a form the stack has no kernel for
+            weights = [_stack_args(w) for w in found]
+            if any(w[3] is not None for w in weights[1:]):
+                return None  # a bias it does not add (only q/k/v have one)
             if any(n.weight.dtype != torch.float32 or n.eps != eps for n in norms):
                 return None
-            (qkv, qkv_n, qkv_bias), (o, o_n, _), (gate_up, gate_up_n, _), (down, down_n, _) = weights
+            (qkv, qkv_types, qkv_n, qkv_bias), (o, o_types, o_n, _), (gate_up, gate_up_types, gate_up_n, _), (down, down_types, down_n, _) = weights
             stack.add_layer(
-                norms[0].weight.detach(), qkv.detach(), qkv_n, None if qkv_bias is None else qkv_bias.detach(),
-                o.detach(), o_n, norms[1].weight.detach(), gate_up.detach(), gate_up_n, down.detach(), down_n,
+                norms[0].weight.detach(), qkv, qkv_types, qkv_n, None if qkv_bias is None else qkv_bias.detach(),
+                o, o_types, o_n, norms[1].weight.detach(), gate_up, gate_up_types, gate_up_n, down, down_types, down_n,
             )  # fmt: skip
         return stack
+
+
+def _stack_args(weight: StackWeight) -> tuple[list[torch.Tensor], list[int], int, torch.Tensor | None]:
+    """A stack weight as ``DecodeStack.add_layer`` takes it: (tensors, GGUF type ids, n, bias);
+    no type ids for Q4_1 tiles or an fp32 matrix (one tensor)."""
+    if isinstance(weight, GGUFStackWeight):
+        return [p.detach() for p in weight.parts], [int(t) for t in weight.types], int(weight.n), weight.bias
+    tensor, n, bias = weight
+    return [tensor.detach()], [], n, bias

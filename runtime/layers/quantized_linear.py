@@ -103,18 +103,38 @@ class Int4Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, dense_from: int | None = None, kernel: str = "auto") -> None:
         super().__init__()
+        w = linear.weight.detach().float()
+        codes, scale, minimum = q4_1_quantize(w)
+        dense = w.to(torch.bfloat16) if dense_from is not None else None
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self._pack(codes, scale, minimum, bias, dense_from, dense, kernel, w.device)
+
+    @classmethod
+    def from_q4_1(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "auto") -> Int4Linear:
+        """The layer for weights already in Q4_1 form (``q4_1_quantize``'s output: codes ``[N, K/32,
+        32]`` in 0..15, fp16 scale and minimum ``[N, K/32]``), on their device, with no rounding."""
+        if codes.dim() != 3 or codes.shape[2] != INT4_GROUP or scale.shape != codes.shape[:2] or minimum.shape != scale.shape:
+            raise ValueError(f"codes must be [N, K/32, 32] with scale and minimum [N, K/32], got {tuple(codes.shape)}, {tuple(scale.shape)}, {tuple(minimum.shape)}")
+        if scale.dtype != torch.float16 or minimum.dtype != torch.float16:
+            raise ValueError("scale and minimum must be float16 (as GGUF's Q4_1 stores them)")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._pack(codes.to(torch.uint8), scale, minimum, bias, None, None, kernel, codes.device)
+        return layer
+
+    def _pack(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None,
+              dense_from: int | None, dense: torch.Tensor | None, kernel: str, device: torch.device) -> None:  # fmt: skip
+        """Hold the codes in the layout of the kernel that will run them."""
         if kernel not in ("auto", "cpp", "torch", "triton"):
             raise ValueError(f"kernel must be auto, cpp, torch or triton, got {kernel!r}")
-        w = linear.weight.detach().float()
-        n, k = w.shape
-        if kernel == "auto" and w.device.type != "cpu":
+        n = codes.shape[0]
+        if kernel == "auto" and device.type != "cpu":
             kernel = "triton"
         if kernel == "triton" and dense_from is not None:
             raise ValueError("the Triton int4 kernel has no bf16 copy for large batches (dense_from must be None)")
         self.dense_from = dense_from  # from this many rows on, a bf16 copy of the weights is used
-        self.register_buffer("dense", w.to(torch.bfloat16) if dense_from is not None else None)
-        codes, scale, minimum = q4_1_quantize(w)
-        ext = cpu_kernels() if kernel in ("auto", "cpp") and w.device.type == "cpu" else None
+        self.register_buffer("dense", dense)
+        ext = cpu_kernels() if kernel in ("auto", "cpp") and device.type == "cpu" else None
         if kernel == "cpp" and ext is None:
             raise RuntimeError("the C++ CPU kernels are not available here (see the warning logged when they failed to build)")
         self.register_buffer("tiles", q4_1_tiles(codes, scale, minimum) if ext is not None else None)
@@ -128,7 +148,10 @@ class Int4Linear(nn.Module):
             self.halves, self.group_scale, self.group_min = pack_halves(codes), scale, minimum
         elif ext is None:
             self._pack_for_torch(codes, scale.float(), minimum.float())
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        if bias is None or isinstance(bias, nn.Parameter):
+            self.bias = bias
+        else:
+            self.bias = nn.Parameter(bias, requires_grad=False)
         self.out_features = n
 
     @property

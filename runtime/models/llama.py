@@ -169,7 +169,9 @@ class LlamaForCausalLM(nn.Module):
         The head is the widest matmul; on CPUs a bf16 matrix-vector product there is slower than
         fp32, and fp32 logits keep logprobs and near-ties faithful.
         """
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = getattr(self.embed_tokens if self.lm_head is None else self.lm_head, "weight", None)
+        if weight is None or type(self.lm_head) not in (nn.Linear, type(None)) or not isinstance(self.embed_tokens, nn.Embedding):
+            return  # a head kept in a stored format computes in fp32 already
         self.head_fp32 = weight.detach().float()
 
     # ---------------------------------------------------------------- weights
@@ -178,14 +180,14 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         cfg, shard = self.config, self.shard
-        attn = self.layers[0].self_attn
-        qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        inter = self.layers[0].mlp.down_proj.in_features
+        qkv_sizes = self._qkv_sizes()
         for name, source in weights:
-            target, offset = self._target(name, qkv_sizes, inter)
+            target, offset = self.weight_target(name)
             if target is None:
                 continue
             if target not in params:
+                if name.endswith(".bias") and not source[:].any():
+                    continue  # GPTQ writers save a zero bias for every quantized layer
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             tensor = _take(source, None if shard is None else shard_rows(shard, cfg, _module_of(name)))
             param = params[target]
@@ -196,7 +198,17 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if offset is None else f"{target}@{offset}")
         self._check_complete(params, loaded, qkv_sizes)
 
-    def _target(self, name: str, qkv_sizes: list[int], inter: int) -> tuple[str | None, int | None]:
+    def _qkv_sizes(self) -> list[int]:
+        attn = self.layers[0].self_attn
+        return [attn.q_size, attn.kv_size, attn.kv_size]
+
+    def _intermediate_size(self) -> int:
+        return self.config.intermediate_size if self.shard is None else self.shard.intermediate_size
+
+    def weight_target(self, name: str) -> tuple[str | None, int | None]:
+        """Where the checkpoint tensor ``name`` goes: this model's parameter and the row it starts
+        at within a fused one (None), or ``(None, None)`` for a tensor the model does not keep."""
+        qkv_sizes, inter = self._qkv_sizes(), self._intermediate_size()
         if "rotary_emb" in name:
             return None, None
         if name == "lm_head.weight" and self.lm_head is None:
@@ -221,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
                 offsets = [sum(qkv_sizes[:i]) for i in range(3)]
             elif name.endswith("gate_up_proj.weight"):
-                offsets = [0, self.layers[0].mlp.down_proj.in_features]
+                offsets = [0, self._intermediate_size()]
             else:
                 offsets = [None]
             for off in offsets:

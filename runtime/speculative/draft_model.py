@@ -111,6 +111,11 @@ class _Row:
     ids: list[int]
 
 
+def _table_shape(embedding: torch.nn.Module) -> tuple[int, int]:
+    """Rows and width of a token table (dense or kept as GGUF blocks)."""
+    return embedding.num_embeddings, embedding.embedding_dim
+
+
 class DraftModelProposer:
     """Proposes tokens with a draft model (the quantized target, or a separate smaller model)."""
 
@@ -127,7 +132,7 @@ class DraftModelProposer:
             mode = args.speculative_draft_quantization or SELF_DRAFT_QUANTIZATION
             self.model, self.config = load_model(resolve_model_path(args.model_path), runner.dtype, self.device)
             _quantize(self.model, mode)
-            if tuple(self.model.embed_tokens.weight.shape) == tuple(runner.model.embed_tokens.weight.shape):
+            if _table_shape(self.model.embed_tokens) == _table_shape(runner.model.embed_tokens):
                 self.model.embed_tokens = runner.model.embed_tokens  # one copy of the embedding
             self.pool: KVPool = runner.kv_pool
             self.backend: AttentionBackend = runner.attn_backend

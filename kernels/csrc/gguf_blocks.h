@@ -1,0 +1,628 @@
+// GGUF's quantized block formats multiplied as stored, free of torch so that tests can build it
+// for other instruction sets (AVX2 without VNNI, plain C++) and compare each with the reference.
+//
+// A weight row of K values is K / weights-per-block consecutive blocks, exactly the bytes of the
+// GGUF tensor's row. As in llama.cpp's CPU backend, x is first quantized to 8 bits per 32
+// (q4_matmul.h's quantize_into: codes qx, scale dx and dx * sum(qx) per 32), so each sub-block of
+// 32 weights, written w = D * c + M (c: integer codes, D and M: floats of the block), contributes
+// D * dx * (c . qx) + M * dx * sum(qx): an integer dot product and two float multiply-adds.
+//
+// Supported (ggml ids): Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
+// Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, and ours, Q4_Z = 1024 (AWQ/GPTQ with zero points: 20 bytes
+// for 32 weights: fp16 d, uint8 zero z, one unused byte, 16 bytes of codes in Q4_0's order;
+// w = d * (q - z)).
+//
+// The AVX2 path reads 8 sub-blocks of 32 at a time (one K-quant super-block, or 8 small blocks):
+// it decodes their codes once, then for each row of x computes the 8 integer dot products, sums
+// each to one lane (8 lanes, one per sub-block) and applies the 8 scales with one multiply-add.
+// The plain C++ path computes the same sums one sub-block at a time.
+#pragma once
+
+#include "q4_matmul.h"
+
+namespace radixlm::gguf {
+
+using q4::half_at;
+using q4::kGroup;  // x is quantized per 32: every type's sub-block
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
+constexpr int kIQ4_NL = 20, kIQ4_XS = 23, kQ4_Z = 1024;
+constexpr int kTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kQ4_Z};
+
+// IQ4_NL's (and IQ4_XS's) 16 code values.
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// A signed 4-bit-packed pair's Q4_0 order: byte j of 16 holds element j (low nibble) and j + 16 (high).
+inline void nibbles(const uint8_t* qs, int32_t* c) {
+  for (int j = 0; j < 16; ++j) {
+    c[j] = qs[j] & 0x0F;
+    c[j + 16] = qs[j] >> 4;
+  }
+}
+
+inline uint32_t u32_at(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Q4_K's and Q5_K's 8 6-bit scales and 8 6-bit mins from their 12 packed bytes.
+inline void k_scales(const uint8_t* p, uint8_t* sc, uint8_t* mn) {
+  const uint32_t a = u32_at(p), b = u32_at(p + 4), c = u32_at(p + 8);
+  const uint32_t s[2] = {a & 0x3F3F3F3Fu, (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u)};
+  const uint32_t m[2] = {b & 0x3F3F3F3Fu, ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u)};
+  std::memcpy(sc, s, 8);
+  std::memcpy(mn, m, 8);
+}
+
+#if defined(RADIXLM_Q4_AVX2)
+// The decoded codes of 8 sub-blocks of 32 (sub-block i: q[i], unsigned codes, or the absolute
+// values of signed ones with their signs in aux[i]; Q6_K: aux[i] its two scales as int16), and
+// their 8 scales D and mins M.
+struct Chunk {
+  __m256i q[8], aux[8];
+  __m256 d, m;
+};
+
+// The 32 products of unsigned codes q (u8) and x (s8), summed to 8 int32.
+inline __m256i dot_us(__m256i q, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), q, x);
+#else
+  // pairs of products fit int16: codes are at most 31, or |c| <= 128 for signed ones (2 * 128 * 127 < 2^15)
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// 16 nibble bytes (Q4_0 order) as 32 bytes of codes 0..15 in element order.
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+}
+
+// Bit j of ``bits`` as byte j: 0x10 where set, else 0 (Q5_0's and Q5_1's fifth bit).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The fp16 at p + i * stride for i < n (0 beyond), as 8 floats.
+inline __m256 halves8(const uint8_t* p, int64_t stride, int n) {
+  if (n == 8) {
+    uint16_t h[8];
+    for (int i = 0; i < 8; ++i) std::memcpy(h + i, p + i * stride, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+  }
+  alignas(16) uint16_t h[8] = {};
+  for (int i = 0; i < n; ++i) std::memcpy(h + i, p + i * stride, 2);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// 8 bytes (unsigned) as 8 floats.
+inline __m256 bytes8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Signed codes split as the kernel multiplies them: |c| (unsigned) and c (its signs).
+inline void signed_codes(__m256i c, Chunk& ch, int i) {
+  ch.q[i] = _mm256_abs_epi8(c);
+  ch.aux[i] = c;
+}
+
+// IQ4 nibbles (Q4_0 order) as their signed code values.
+inline __m256i iq4_values(const uint8_t* qs) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  return _mm256_shuffle_epi8(table, nibbles32(qs));
+}
+#endif
+
+// Each type: kId, kWeights and kBytes (one block), kSubs (sub-blocks of 32 in a block), kMin
+// (whether w has the additive M term); sub(): sub-block s of a block as integer codes c and
+// floats D[2] (for its elements 0..15 and 16..31) and M, w = D * c + M, in the order of GGUF's
+// dequantize (so dequantize() is exact); and for AVX2, load() of 8 sub-blocks and the signedness.
+
+struct Q4_0 {
+  static constexpr int kId = kQ4_0, kWeights = 32, kBytes = 18, kSubs = 1;
+  static constexpr bool kMin = false, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    nibbles(b + 2, c);
+    for (int j = 0; j < 32; ++j) c[j] -= 8;
+    d[0] = d[1] = half_at(b);
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  // codes are kept unsigned (0..15): w = d * q - 8 d
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) ch.q[i] = nibbles32(b + i * kBytes + 2);
+    ch.d = halves8(b, kBytes, n);
+    ch.m = _mm256_mul_ps(ch.d, _mm256_set1_ps(-8.0f));
+  }
+#endif
+};
+
+struct Q4_1 {
+  static constexpr int kId = kQ4_1, kWeights = 32, kBytes = 20, kSubs = 1;
+  static constexpr bool kMin = true, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    nibbles(b + 4, c);
+    d[0] = d[1] = half_at(b);
+    m = half_at(b + 2);
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) ch.q[i] = nibbles32(b + i * kBytes + 4);
+    ch.d = halves8(b, kBytes, n);
+    ch.m = halves8(b + 2, kBytes, n);
+  }
+#endif
+};
+
+struct Q5_0 {
+  static constexpr int kId = kQ5_0, kWeights = 32, kBytes = 22, kSubs = 1;
+  static constexpr bool kMin = false, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    const uint32_t qh = u32_at(b + 2);
+    nibbles(b + 6, c);
+    for (int j = 0; j < 32; ++j) c[j] = (c[j] | static_cast<int32_t>(((qh >> j) & 1u) << 4)) - 16;
+    d[0] = d[1] = half_at(b);
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) {
+      const uint8_t* bi = b + i * kBytes;
+      ch.q[i] = _mm256_or_si256(nibbles32(bi + 6), fifth_bits(u32_at(bi + 2)));
+    }
+    ch.d = halves8(b, kBytes, n);
+    ch.m = _mm256_mul_ps(ch.d, _mm256_set1_ps(-16.0f));
+  }
+#endif
+};
+
+struct Q5_1 {
+  static constexpr int kId = kQ5_1, kWeights = 32, kBytes = 24, kSubs = 1;
+  static constexpr bool kMin = true, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    const uint32_t qh = u32_at(b + 4);
+    nibbles(b + 8, c);
+    for (int j = 0; j < 32; ++j) c[j] |= static_cast<int32_t>(((qh >> j) & 1u) << 4);
+    d[0] = d[1] = half_at(b);
+    m = half_at(b + 2);
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) {
+      const uint8_t* bi = b + i * kBytes;
+      ch.q[i] = _mm256_or_si256(nibbles32(bi + 8), fifth_bits(u32_at(bi + 4)));
+    }
+    ch.d = halves8(b, kBytes, n);
+    ch.m = halves8(b + 2, kBytes, n);
+  }
+#endif
+};
+
+struct Q8_0 {
+  static constexpr int kId = kQ8_0, kWeights = 32, kBytes = 34, kSubs = 1;
+  static constexpr bool kMin = false, kSigned = true, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    for (int j = 0; j < 32; ++j) c[j] = static_cast<int8_t>(b[2 + j]);
+    d[0] = d[1] = half_at(b);
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = false;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) signed_codes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * kBytes + 2)), ch, i);
+    ch.d = halves8(b, kBytes, n);
+  }
+#endif
+};
+
+struct IQ4_NL {
+  static constexpr int kId = kIQ4_NL, kWeights = 32, kBytes = 18, kSubs = 1;
+  static constexpr bool kMin = false, kSigned = true, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    nibbles(b + 2, c);
+    for (int j = 0; j < 32; ++j) c[j] = kIQ4Values[c[j]];
+    d[0] = d[1] = half_at(b);
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = false;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) signed_codes(iq4_values(b + i * kBytes + 2), ch, i);
+    ch.d = halves8(b, kBytes, n);
+  }
+#endif
+};
+
+struct Q4_Z {
+  static constexpr int kId = kQ4_Z, kWeights = 32, kBytes = 20, kSubs = 1;
+  static constexpr bool kMin = false, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    nibbles(b + 4, c);
+    for (int j = 0; j < 32; ++j) c[j] -= b[2];
+    d[0] = d[1] = half_at(b);
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  // codes are kept unsigned (0..15): w = d * q - d * z
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    alignas(32) float z[8] = {};
+    for (int i = 0; i < n; ++i) {
+      ch.q[i] = nibbles32(b + i * kBytes + 4);
+      z[i] = -static_cast<float>(b[i * kBytes + 2]);
+    }
+    ch.d = halves8(b, kBytes, n);
+    ch.m = _mm256_mul_ps(ch.d, _mm256_load_ps(z));
+  }
+#endif
+};
+
+// Q4_K: 256 weights in 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, then 4
+// chunks of 32 bytes (chunk j: sub-block 2j in the low nibbles, 2j + 1 in the high ones);
+// w = d * sc * q - dmin * mn.
+struct Q4_K {
+  static constexpr int kId = kQ4_K, kWeights = 256, kBytes = 144, kSubs = 8;
+  static constexpr bool kMin = true, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int s, int32_t* c, float* d, float& m) {
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t* qs = b + 16 + 32 * (s / 2);
+    const int shift = 4 * (s % 2);
+    for (int j = 0; j < 32; ++j) c[j] = (qs[j] >> shift) & 0x0F;
+    d[0] = d[1] = half_at(b) * static_cast<float>(sc[s]);
+    m = -(half_at(b + 2) * static_cast<float>(mn[s]));
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
+    const uint8_t* b = row + g0 / kSubs * kBytes;
+    alignas(8) uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), bytes8(sc));
+    ch.m = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), bytes8(mn));
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
+      ch.q[2 * j] = _mm256_and_si256(v, low);
+      ch.q[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+  }
+#endif
+};
+
+// Q5_K: Q4_K with a fifth bit: 176 bytes: d, dmin, 12 bytes of scales, 32 bytes qh (bit s of
+// byte l: sub-block s's element l), 128 bytes of nibbles as Q4_K's.
+struct Q5_K {
+  static constexpr int kId = kQ5_K, kWeights = 256, kBytes = 176, kSubs = 8;
+  static constexpr bool kMin = true, kSigned = false, kQ6 = false;
+  static void sub(const uint8_t* b, int s, int32_t* c, float* d, float& m) {
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + 48 + 32 * (s / 2);
+    const int shift = 4 * (s % 2);
+    for (int j = 0; j < 32; ++j) c[j] = ((qs[j] >> shift) & 0x0F) | (((qh[j] >> s) & 1) << 4);
+    d[0] = d[1] = half_at(b) * static_cast<float>(sc[s]);
+    m = -(half_at(b + 2) * static_cast<float>(mn[s]));
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = true;
+  static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
+    const uint8_t* b = row + g0 / kSubs * kBytes;
+    alignas(8) uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), bytes8(sc));
+    ch.m = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), bytes8(mn));
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * j));
+      // bits 2j and 2j + 1 of each qh byte, moved to bit 4
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j)), one), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * j + 1)), one), 4);
+      ch.q[2 * j] = _mm256_or_si256(_mm256_and_si256(v, low), h0);
+      ch.q[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), h1);
+    }
+  }
+#endif
+};
+
+// Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16
+// int8 scales (one per 16 weights), fp16 d last. Element h * 128 + j * 32 + l (h < 2, j < 4,
+// l < 32): low nibble (j < 2) or high nibble (j >= 2) of ql[h * 64 + (j % 2) * 32 + l], bits
+// 2j..2j+1 of qh[h * 32 + l]; w = d * sc * (q - 32).
+struct Q6_K {
+  static constexpr int kId = kQ6_K, kWeights = 256, kBytes = 210, kSubs = 8;
+  static constexpr bool kMin = false, kSigned = false, kQ6 = true;
+  static void sub(const uint8_t* b, int s, int32_t* c, float* d, float& m) {
+    const int h = s / 4, j = s % 4;
+    const uint8_t* ql = b + h * 64 + (j % 2) * 32;
+    const uint8_t* qh = b + 128 + h * 32;
+    for (int l = 0; l < 32; ++l) c[l] = (((ql[l] >> (4 * (j / 2))) & 0x0F) | (((qh[l] >> (2 * j)) & 3) << 4)) - 32;
+    const float dd = half_at(b + 208);
+    d[0] = dd * static_cast<float>(static_cast<int8_t>(b[192 + 2 * s]));
+    d[1] = dd * static_cast<float>(static_cast<int8_t>(b[193 + 2 * s]));
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  // codes kept unsigned (0..63); aux[i]: sub-block i's two scales as int16 (8 lanes each)
+  static constexpr bool kLoadMin = false;
+  static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
+    const uint8_t* b = row + g0 / kSubs * kBytes;
+    ch.d = _mm256_set1_ps(half_at(b + 208));
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      ch.q[4 * h] = _mm256_or_si256(_mm256_and_si256(ql0, low), _mm256_and_si256(_mm256_slli_epi16(qh, 4), two));
+      ch.q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, low), _mm256_and_si256(_mm256_slli_epi16(qh, 2), two));
+      ch.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, two));
+      ch.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), two));
+    }
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    for (int i = 0; i < 8; ++i) {
+      const __m128i pick = _mm_set_epi64x(static_cast<long long>(0x0101010101010101ULL * (2 * i + 1)),
+                                          static_cast<long long>(0x0101010101010101ULL * (2 * i)));
+      ch.aux[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+    }
+  }
+#endif
+};
+
+// IQ4_XS: 256 weights in 136 bytes: fp16 d, 16 bits of high scale bits (2 per sub-block), 4
+// bytes of low scale nibbles, 8 sub-blocks of 16 nibble bytes (Q4_0 order) indexing kIQ4Values;
+// w = d * (scale - 32) * value.
+struct IQ4_XS {
+  static constexpr int kId = kIQ4_XS, kWeights = 256, kBytes = 136, kSubs = 8;
+  static constexpr bool kMin = false, kSigned = true, kQ6 = false;
+  static int scale(const uint8_t* b, int s) {
+    const int lo = (b[4 + s / 2] >> (4 * (s % 2))) & 0x0F;
+    const int hi = ((b[2] | (b[3] << 8)) >> (2 * s)) & 3;
+    return (lo | (hi << 4)) - 32;
+  }
+  static void sub(const uint8_t* b, int s, int32_t* c, float* d, float& m) {
+    nibbles(b + 8 + 16 * s, c);
+    for (int j = 0; j < 32; ++j) c[j] = kIQ4Values[c[j]];
+    d[0] = d[1] = half_at(b) * static_cast<float>(scale(b, s));
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = false;
+  static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
+    const uint8_t* b = row + g0 / kSubs * kBytes;
+    alignas(32) float sc[8];
+    for (int s = 0; s < 8; ++s) {
+      sc[s] = static_cast<float>(scale(b, s));
+      signed_codes(iq4_values(b + 8 + 16 * s), ch, s);
+    }
+    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_load_ps(sc));
+  }
+#endif
+};
+
+#if defined(RADIXLM_Q4_AVX2)
+// Sub-block i's products with x (32 int8), summed to 8 int32.
+template <class T>
+inline __m256i sub_dot(const Chunk& ch, int i, __m256i x) {
+  if constexpr (T::kSigned) {
+    return dot_us(ch.q[i], _mm256_sign_epi8(x, ch.aux[i]));
+  } else if constexpr (T::kQ6) {
+    // (q - 32) . x per pair as int16 (|.| <= 2 * 63 * 127 + 2 * 32 * 127 < 2^15), times the scales
+    const __m256i pairs = _mm256_sub_epi16(_mm256_maddubs_epi16(ch.q[i], x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x));
+    return _mm256_madd_epi16(pairs, ch.aux[i]);
+  } else {
+    return dot_us(ch.q[i], x);
+  }
+}
+
+// Lane i: the sum of s[i]'s 8 lanes.
+inline __m256i sum8x8(const __m256i* s) {
+  const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+  const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(s[4], s[5]), _mm256_hadd_epi32(s[6], s[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The chunk's contribution for R rows of x (sub-blocks g0.. of each, n of them: 8, or fewer at a
+// row's end): acc[b] += sum8(dots) * D * dx, macc[b] += M * xsum.
+template <class T, int R>
+inline void chunk_dots(const Chunk& ch, int n, const int8_t* xq, int64_t k, const float* dx, const float* xsum,
+                       int64_t groups, int64_t g0, __m256* acc, __m256* macc) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int b = 0; b < R; ++b) {
+    const int8_t* xb = xq + b * k + g0 * kGroup;
+    __m256i s[8];
+    for (int i = 0; i < 8; ++i) {
+      s[i] = i < n ? sub_dot<T>(ch, i, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + i * kGroup)))
+                   : _mm256_setzero_si256();
+    }
+    const float* db = dx + b * groups + g0;
+    const __m256 dxv = n == 8 ? _mm256_loadu_ps(db) : _mm256_maskload_ps(db, mask);
+    acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum8x8(s)), _mm256_mul_ps(ch.d, dxv), acc[b]);
+    if constexpr (T::kLoadMin) {
+      const float* sb = xsum + b * groups + g0;
+      macc[b] = _mm256_fmadd_ps(ch.m, n == 8 ? _mm256_loadu_ps(sb) : _mm256_maskload_ps(sb, mask), macc[b]);
+    }
+  }
+}
+#endif
+
+constexpr int kXRows = q4::kXRows;  // rows of x per pass over a weight row
+constexpr int64_t kPrefetch = 1024;  // bytes ahead of the chunk being read
+
+// dot[b] = the weight row's product with x's row b (b < R), from x quantized per 32.
+template <class T, int R>
+void row_dots(const uint8_t* row, const int8_t* xq, int64_t k, const float* dx, const float* xsum, int64_t groups,
+              float* dot) {
+#if defined(RADIXLM_Q4_AVX2)
+  __m256 acc[R], macc[R];
+  for (int b = 0; b < R; ++b) acc[b] = macc[b] = _mm256_setzero_ps();
+  Chunk ch;
+  int64_t g0 = 0;
+  constexpr int64_t kChunkBytes = 8 / T::kSubs * T::kBytes;
+  for (; g0 + 8 <= groups; g0 += 8) {
+    const uint8_t* p = row + g0 / T::kSubs * T::kBytes;
+    __builtin_prefetch(p + kPrefetch);
+    if constexpr (kChunkBytes > 64) __builtin_prefetch(p + kPrefetch + 64);
+    if constexpr (kChunkBytes > 128) __builtin_prefetch(p + kPrefetch + 128);
+    if constexpr (kChunkBytes > 192) __builtin_prefetch(p + kPrefetch + 192);
+    if constexpr (kChunkBytes > 256) __builtin_prefetch(p + kPrefetch + 256);
+    T::load(row, g0, 8, ch);
+    chunk_dots<T, R>(ch, 8, xq, k, dx, xsum, groups, g0, acc, macc);
+  }
+  // only blocks of 32 leave a tail (K-quant rows are whole super-blocks): one block at a time,
+  // its 8 lanes scaled as they are (a sum of lanes costs more than the few blocks)
+  float tail_m[R] = {};
+  for (; g0 < groups; ++g0) {
+    T::load(row, g0, 1, ch);
+    const __m256 d0 = _mm256_broadcastss_ps(_mm256_castps256_ps128(ch.d));
+    for (int b = 0; b < R; ++b) {
+      const __m256i s = sub_dot<T>(ch, 0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * k + g0 * kGroup)));
+      acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d0, _mm256_set1_ps(dx[b * groups + g0])), acc[b]);
+      if constexpr (T::kLoadMin) tail_m[b] += _mm256_cvtss_f32(ch.m) * xsum[b * groups + g0];
+    }
+  }
+  for (int b = 0; b < R; ++b) dot[b] = hsum(_mm256_add_ps(acc[b], macc[b])) + tail_m[b];
+#else
+  float acc[R] = {};
+  int32_t c[32];
+  float d[2], m;
+  for (int64_t g = 0; g < groups; ++g) {
+    T::sub(row + g / T::kSubs * T::kBytes, static_cast<int>(g % T::kSubs), c, d, m);
+    for (int b = 0; b < R; ++b) {
+      const int8_t* xb = xq + b * k + g * kGroup;
+      int32_t t0 = 0, t1 = 0;
+      for (int j = 0; j < 16; ++j) t0 += c[j] * xb[j];
+      for (int j = 16; j < 32; ++j) t1 += c[j] * xb[j];
+      acc[b] += dx[b * groups + g] * (d[0] * static_cast<float>(t0) + d[1] * static_cast<float>(t1));
+      if constexpr (T::kMin) acc[b] += m * xsum[b * groups + g];
+    }
+  }
+  for (int b = 0; b < R; ++b) dot[b] = acc[b];
+#endif
+}
+
+// y[b * ldy + r] for weight rows r in [begin, end) of ``w`` (rows of T's blocks) and every row
+// b of x, from x quantized into ``scratch`` by q4::quantize_into.
+template <class T>
+void matmul_rows_t(const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k,
+                   float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup, row_bytes = k / T::kWeights * T::kBytes;
+  const float* dx = reinterpret_cast<const float*>(scratch);
+  const float* xsum = dx + rows * groups;
+  const int8_t* xq = reinterpret_cast<const int8_t*>(xsum + rows * groups);
+  for (int64_t r = begin; r < end; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t b0 = 0; b0 < rows; b0 += kXRows) {
+      const int64_t n = std::min<int64_t>(kXRows, rows - b0);
+      float dot[kXRows];
+      const int8_t* qb = xq + b0 * k;
+      const float* db = dx + b0 * groups;
+      const float* sb = xsum + b0 * groups;
+      switch (n) {
+        case 1: row_dots<T, 1>(row, qb, k, db, sb, groups, dot); break;
+#if defined(__AVX512VL__)
+        case 2: row_dots<T, 2>(row, qb, k, db, sb, groups, dot); break;
+        case 3: row_dots<T, 3>(row, qb, k, db, sb, groups, dot); break;
+        default: row_dots<T, 4>(row, qb, k, db, sb, groups, dot); break;
+#else
+        default: row_dots<T, 2>(row, qb, k, db, sb, groups, dot); break;
+#endif
+      }
+      for (int64_t b = 0; b < n; ++b) y[(b0 + b) * ldy + r] = dot[b];
+    }
+  }
+}
+
+// One block dequantized to float32 exactly as GGUF's dequantize computes it.
+template <class T>
+void dequantize_block(const uint8_t* b, float* out) {
+  int32_t c[32];
+  float d[2], m;
+  for (int s = 0; s < T::kSubs; ++s) {
+    T::sub(b, s, c, d, m);
+    float* o = out + s * kGroup;
+    for (int j = 0; j < 32; ++j) {
+      if constexpr (T::kMin) {
+        volatile float p = d[j / 16] * static_cast<float>(c[j]);  // rounded, then added: never fused into an FMA
+        o[j] = p + m;
+      } else {
+        o[j] = d[j / 16] * static_cast<float>(c[j]);
+      }
+    }
+  }
+}
+
+// Calls f(T{}) with the type struct of ``type``; returns false for an unsupported type.
+template <class F>
+bool dispatch(int type, F&& f) {
+  switch (type) {
+    case kQ4_0: f(Q4_0{}); return true;
+    case kQ4_1: f(Q4_1{}); return true;
+    case kQ5_0: f(Q5_0{}); return true;
+    case kQ5_1: f(Q5_1{}); return true;
+    case kQ8_0: f(Q8_0{}); return true;
+    case kQ4_K: f(Q4_K{}); return true;
+    case kQ5_K: f(Q5_K{}); return true;
+    case kQ6_K: f(Q6_K{}); return true;
+    case kIQ4_NL: f(IQ4_NL{}); return true;
+    case kIQ4_XS: f(IQ4_XS{}); return true;
+    case kQ4_Z: f(Q4_Z{}); return true;
+    default: return false;
+  }
+}
+
+inline bool supported(int type) {
+  return dispatch(type, [](auto) {});
+}
+
+// (weights, bytes) of one block of ``type``; (0, 0) when unsupported.
+inline void block_shape(int type, int64_t& weights, int64_t& bytes) {
+  weights = bytes = 0;
+  dispatch(type, [&](auto t) {
+    weights = decltype(t)::kWeights;
+    bytes = decltype(t)::kBytes;
+  });
+}
+
+// y[b * ldy + r] = x_b . W_r for rows r in [begin, end) of w (``type`` blocks, k per row).
+inline void matmul_rows(int type, const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows,
+                        int64_t k, float* y, int64_t ldy) {
+  dispatch(type, [&](auto t) { matmul_rows_t<decltype(t)>(w, begin, end, scratch, rows, k, y, ldy); });
+}
+
+// A row of k weights (``type`` blocks) dequantized into out[k].
+inline void dequantize_row(int type, const uint8_t* row, int64_t k, float* out) {
+  dispatch(type, [&](auto t) {
+    using T = decltype(t);
+    for (int64_t i = 0; i < k / T::kWeights; ++i) dequantize_block<T>(row + i * T::kBytes, out + i * T::kWeights);
+  });
+}
+
+}  // namespace radixlm::gguf

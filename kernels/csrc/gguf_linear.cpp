@@ -1,0 +1,102 @@
+// GGUF's quantized block formats as torch entry points: y = x @ W.T with W's rows kept as the
+// file's blocks (gguf_blocks.h), and the exact dequantization of selected rows (embeddings).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <string>
+
+#include "gguf_blocks.h"
+#include "kernels.h"
+
+namespace {
+
+std::string supported_list() {
+  std::string out;
+  for (int t : radixlm::gguf::kTypes) out += (out.empty() ? "" : ", ") + std::to_string(t);
+  return out;
+}
+
+// (weights, bytes) of one block of ``type``, refusing an unsupported type by name.
+std::pair<int64_t, int64_t> checked_shape(const char* op, int64_t type) {
+  int64_t weights = 0, bytes = 0;
+  radixlm::gguf::block_shape(static_cast<int>(type), weights, bytes);
+  TORCH_CHECK(weights > 0, op, ": unsupported GGUF type ", type, " (supported type ids: ", supported_list(), ")");
+  return {weights, bytes};
+}
+
+}  // namespace
+
+// x [M, K] float32; parts[i] uint8 [n_i, K / block_weights * block_bytes] of types[i]; the
+// weight is the parts stacked along rows (sum n_i == n) -> y [M, n] float32.
+torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types, int64_t n) {
+  using namespace radixlm;
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == torch::kFloat32,
+              "gguf_linear: x must be a 2-D float32 CPU tensor");
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "gguf_linear: one type per part (got ", parts.size(),
+              " parts and ", types.size(), " types)");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % gguf::kGroup == 0, "gguf_linear: K = ", k, " must be a multiple of 32");
+  std::vector<int64_t> offsets(parts.size() + 1, 0);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto [weights, bytes] = checked_shape("gguf_linear", types[i]);
+    TORCH_CHECK(k % weights == 0, "gguf_linear: K = ", k, " must be a multiple of ", weights, " for type ", types[i]);
+    auto& p = parts[i];
+    TORCH_CHECK(p.device().is_cpu() && p.dim() == 2 && p.scalar_type() == torch::kUInt8,
+                "gguf_linear: part ", i, " must be a 2-D uint8 CPU tensor of blocks");
+    TORCH_CHECK(p.size(1) == k / weights * bytes, "gguf_linear: part ", i, " (type ", types[i], ") has rows of ",
+                p.size(1), " bytes; K = ", k, " takes ", k / weights * bytes, " bytes");
+    p = p.contiguous();
+    offsets[i + 1] = offsets[i] + p.size(0);
+  }
+  TORCH_CHECK(offsets.back() == n, "gguf_linear: the parts have ", offsets.back(), " rows in all, not n = ", n);
+  x = x.contiguous();
+  auto y = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  auto scratch = torch::empty({q4::scratch_bytes(m, k)}, x.options().dtype(torch::kUInt8));
+  q4::quantize_into(x.data_ptr<float>(), m, k, scratch.data_ptr<uint8_t>());
+  const uint8_t* sp = scratch.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // output rows of all parts in one range, so that threads share a fused projection evenly
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t lo = std::max(begin, offsets[i]), hi = std::min(end, offsets[i + 1]);
+      if (lo >= hi) continue;
+      gguf::matmul_rows(static_cast<int>(types[i]), parts[i].data_ptr<uint8_t>(), lo - offsets[i], hi - offsets[i], sp, m,
+                        k, yp + offsets[i], n);
+    }
+  });
+  return y;
+}
+
+// blocks uint8 [N, K / block_weights * block_bytes] of ``type``, ids int64 [T] -> float32 [T, k]:
+// the rows dequantized exactly as GGUF's dequantize does.
+torch::Tensor gguf_dequantize_rows(torch::Tensor blocks, int64_t type, torch::Tensor ids, int64_t k) {
+  using namespace radixlm;
+  const auto [weights, bytes] = checked_shape("gguf_dequantize_rows", type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8,
+              "gguf_dequantize_rows: blocks must be a 2-D uint8 CPU tensor");
+  TORCH_CHECK(k > 0 && k % weights == 0, "gguf_dequantize_rows: k = ", k, " must be a multiple of ", weights, " for type ", type);
+  TORCH_CHECK(blocks.size(1) == k / weights * bytes, "gguf_dequantize_rows: rows of ", blocks.size(1),
+              " bytes, but k = ", k, " takes row_bytes = ", k / weights * bytes);
+  TORCH_CHECK(ids.device().is_cpu() && ids.dim() == 1, "gguf_dequantize_rows: ids must be a 1-D CPU tensor");
+  blocks = blocks.contiguous();
+  auto idx = ids.to(torch::kLong).contiguous();
+  const int64_t t = idx.numel(), rows = blocks.size(0), row_bytes = blocks.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < rows, "gguf_dequantize_rows: id ", ip[i], " out of range for ", rows, " rows");
+  }
+  auto out = torch::empty({t, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) gguf::dequantize_row(static_cast<int>(type), bp + ip[i] * row_bytes, k, op + i * k);
+  });
+  return out;
+}
+
+// The type ids gguf_linear and gguf_dequantize_rows take.
+std::vector<int64_t> gguf_native_types() {
+  return std::vector<int64_t>(std::begin(radixlm::gguf::kTypes), std::end(radixlm::gguf::kTypes));
+}

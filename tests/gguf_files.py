@@ -1,0 +1,160 @@
+"""Test-side GGUF writing: tiny Hugging Face checkpoints converted to GGUF files of chosen types.
+
+The ``gguf`` package quantizes Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0; for the K-quants it only
+dequantizes, so ``quantize_q4_k`` and ``quantize_q6_k`` below write those blocks from the formats'
+published layouts (ggml's ``block_q4_K`` and ``block_q6_K``), with plain min/max scales rather
+than llama.cpp's searched ones. The ``gguf`` package's dequantizer is the reference they are
+checked against.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _fp16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """``w`` [rows, K] (K a multiple of 256) as Q4_K blocks: per 256, fp16 d and dmin, 12 bytes of
+    6-bit sub-block scales and minimums, 128 bytes of codes; ``w ~ d * sc * q - dmin * m``."""
+    rows, k = w.shape
+    sub = w.astype(np.float32).reshape(rows, k // 256, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale = (sub.max(-1) - lo) / 15
+    d = np.maximum(scale.max(-1), 1e-8) / 63
+    dmin = np.maximum((-lo).max(-1), 1e-8) / 63
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.round(scale / d16.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin16.astype(np.float32)[..., None]), 0, 63).astype(np.uint8)
+    step = d16.astype(np.float32)[..., None] * sc
+    offset = dmin16.astype(np.float32)[..., None] * m
+    q = np.clip(np.round((sub + offset[..., None]) / np.where(step > 0, step, 1)[..., None]), 0, 15).astype(np.uint8)
+    scales = np.zeros((rows, k // 256, 12), np.uint8)
+    scales[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    scales[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
+    scales[..., 8:12] = (sc[..., 4:8] & 0xF) | ((m[..., 4:8] & 0xF) << 4)
+    qs = (q[:, :, 0::2, :] | (q[:, :, 1::2, :] << 4)).reshape(rows, k // 256, 128)  # sub-block 2i low, 2i+1 high
+    blocks = np.concatenate([_fp16_bytes(d16), _fp16_bytes(dmin16), scales, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """``w`` [rows, K] (K a multiple of 256) as Q6_K blocks: per 256, 128 bytes of low 4 bits, 64 of
+    high 2 bits, 16 int8 sub-block scales, fp16 d; ``w ~ d * sc * (q - 32)``, per 16 weights."""
+    rows, k = w.shape
+    sub = w.astype(np.float32).reshape(rows, k // 256, 16, 16)
+    amax = np.abs(sub).max(-1)
+    scale = amax / 31
+    d = np.maximum(np.abs(scale).max(-1), 1e-8) / 127
+    d16 = d.astype(np.float16)
+    sc = np.clip(np.round(scale / d16.astype(np.float32)[..., None]), -128, 127).astype(np.int8)
+    step = d16.astype(np.float32)[..., None] * sc
+    q = np.clip(np.round(sub / np.where(step != 0, step, 1)[..., None]) + 32, 0, 63).astype(np.uint8).reshape(rows, k // 256, 256)
+    ql = np.zeros((rows, k // 256, 128), np.uint8)
+    qh = np.zeros((rows, k // 256, 64), np.uint8)
+    for half in range(2):  # each half of 128 weights: ql 64 bytes, qh 32 bytes
+        base = q[..., 128 * half : 128 * (half + 1)]
+        a, b, c, e = base[..., 0:32], base[..., 32:64], base[..., 64:96], base[..., 96:128]
+        ql[..., 64 * half : 64 * half + 32] = (a & 0xF) | ((c & 0xF) << 4)
+        ql[..., 64 * half + 32 : 64 * half + 64] = (b & 0xF) | ((e & 0xF) << 4)
+        qh[..., 32 * half : 32 * (half + 1)] = (a >> 4) | ((b >> 4) << 2) | ((c >> 4) << 4) | ((e >> 4) << 6)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d16)], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
+    """``w`` [rows, K] as raw blocks of the GGML type named ``qtype`` (uint8 [rows, row_bytes])."""
+    if qtype == "Q4_K":
+        return quantize_q4_k(w)
+    if qtype == "Q6_K":
+        return quantize_q6_k(w)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    return gguf_quantize(w.astype(np.float32), GGMLQuantizationType[qtype])
+
+
+def dequantize(blocks: np.ndarray, qtype: str) -> np.ndarray:
+    """The gguf package's dequantization of ``blocks`` (the reference)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    return gguf_dequantize(blocks, GGMLQuantizationType[qtype])
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's interleaved-RoPE row order of a q or k projection (what conversion writes)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_folder: str, out: Path, type_of) -> Path:
+    """The tiny checkpoint in ``hf_folder`` as a GGUF file: each 2-D weight (GGUF name) in the
+    type ``type_of(name)`` returns (a GGML type name, or ``F32``), norms and biases in F32."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(hf_folder) / "config.json").read_text())
+    arch = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[cfg["architectures"][0]]
+    tensors = load_file(str(Path(hf_folder) / "model.safetensors"))
+    writer = GGUFWriter(str(out), arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    for name, t in tensors.items():
+        if name in GGUF_NAMES:
+            gname = GGUF_NAMES[name]
+        else:
+            parts = name.split(".")  # model.layers.N.<module>.<kind>
+            module = ".".join(parts[3:-1])
+            if module not in LAYER_NAMES:
+                continue
+            gname = f"blk.{parts[2]}.{LAYER_NAMES[module]}.{parts[-1]}"
+        arr = t.float().numpy()
+        if arch != "qwen2" and gname.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg["num_attention_heads"] if "attn_q" in gname else cfg["num_key_value_heads"]
+            arr = _permute(arr, heads)
+        qtype = type_of(gname) if arr.ndim == 2 else "F32"
+        if qtype == "F32":
+            writer.add_tensor(gname, np.ascontiguousarray(arr))
+        else:
+            writer.add_tensor(gname, quantize(arr, qtype), raw_dtype=GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def torch_blocks(blocks: np.ndarray) -> torch.Tensor:
+    """Raw blocks as the uint8 tensor the layers take."""
+    return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
