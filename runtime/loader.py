@@ -7,6 +7,7 @@ them again, or to split them over tensor-parallel ranks)."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import logging
 import os
@@ -93,6 +94,15 @@ def serve_as_stored(formats: set[str], quantization: str | None) -> bool:
     return False
 
 
+def release_freed_heap() -> None:
+    """Hand the heap that loading freed (copies of blocks, repacking temporaries) back to the OS
+    (glibc keeps it otherwise, and the process would hold about twice the weights)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
 def load_model_config(path: str) -> ModelConfig:
     """Read the architecture of the model at ``path``."""
     return gguf_config(path) if is_gguf(path) else folder_config(path)
@@ -117,7 +127,7 @@ def load_model(
     if group is not None:
         rank, size = group.rank, group.size
     checkpoint = open_checkpoint(path, native=native and rank is None)
-    cfg = checkpoint.config
+    cfg, weight_formats, file_bytes = checkpoint.config, checkpoint.formats, checkpoint.file_bytes
     shard = None if rank is None else plan_shard(cfg, rank, size)
     with torch.device("meta"):
         model = family_for(cfg.architecture)(cfg, shard, group)
@@ -127,7 +137,9 @@ def load_model(
     with torch.no_grad():
         model.load_weights(checkpoint.plain())
     model.eval()
-    if checkpoint.stored:
+    del checkpoint
+    release_freed_heap()
+    if weight_formats:
         logger.info("weights as stored (%s): %.1f MiB in memory for a %.1f MiB checkpoint",
-                    ", ".join(sorted(checkpoint.formats)), weight_bytes(model) / 2**20, checkpoint.file_bytes / 2**20)  # fmt: skip
+                    ", ".join(sorted(weight_formats)), weight_bytes(model) / 2**20, file_bytes / 2**20)  # fmt: skip
     return model, cfg

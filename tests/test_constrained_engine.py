@@ -42,7 +42,9 @@ JSON_PROMPT = "<|im_start|>user\nWrite one short example JSON value.<|im_end|>\n
 
 @pytest.fixture(scope="module")
 def engine():
-    with radixlm.Engine(max_total_tokens=60000) as eng:
+    # fp32 weights, as the schema sample and its seeds were chosen with (as stored, the int4
+    # kernels' rounding sends a few sampled outputs on other, longer paths)
+    with radixlm.Engine(max_total_tokens=60000, quantization="none") as eng:
         yield eng
 
 

@@ -173,16 +173,16 @@ def test_the_served_process_stays_near_the_file_size(smollm2_path, cpp_ext):
         def rss():
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        from radixlm.runtime.loader import load_model  # imports before the baseline: the weights are measured
         before = rss()
-        from radixlm.runtime.loader import load_model
         model, _ = load_model({smollm2_path!r}, torch.float32, torch.device("cpu"))
         print(json.dumps({{"added": rss() - before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     size = os.path.getsize(smollm2_path)
-    # the fp32 form would add ~540 MB; what is left over the file is Python's imports of gguf/numpy
-    assert measured["added"] < 1.5 * size + 64 * 2**20, measured
+    # the fp32 form would add ~540 MB; the rest over the weights (92 MiB) is allocator slack
+    assert measured["added"] < 1.25 * size + 40 * 2**20, measured
 
 
 def test_quantization_flags_on_a_stored_checkpoint(smollm2_path, caplog):
