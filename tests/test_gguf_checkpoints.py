@@ -221,3 +221,27 @@ def test_gguf_type_names_and_sizes_agree_with_the_gguf_package():
     assert type_name(Q4_Z) == "Q4_Z" and block_shape(Q4_Z) == (32, 20)
     assert set(kernel_types()) <= set(KERNEL_TYPES)
     np.testing.assert_equal(len(KERNEL_TYPES), len(set(KERNEL_TYPES)))
+
+
+def test_stored_weights_that_do_not_fit_a_layer_are_refused_by_name(gguf_file):
+    from radixlm.runtime.checkpoints.install import install_stored
+    from radixlm.runtime.layers.gguf_linear import Q8_0, GGUFWeight
+    from radixlm.runtime.models.registry import family_for
+
+    checkpoint = open_checkpoint(gguf_file("mistral", "Q8_0"))
+    cfg = checkpoint.config
+    stored = dict(checkpoint.stored)
+    name = "model.layers.1.mlp.down_proj.weight"
+    good = stored[name]
+    stored[name] = GGUFWeight(Q8_0, good.blocks[:, : good.blocks.shape[1] // 2].contiguous(), good.in_features // 2)
+    with torch.device("meta"):
+        model = family_for(cfg.architecture)(cfg, None, None)
+    with pytest.raises(ValueError, match="layers.1.mlp.down_proj"):
+        install_stored(model, stored, CPU, torch.float32)
+    stored[name] = GGUFWeight(Q8_0, good.blocks[:-4].contiguous(), good.in_features)  # too few rows
+    with torch.device("meta"):
+        model = family_for(cfg.architecture)(cfg, None, None)
+    with pytest.raises(ValueError, match="cover"):
+        install_stored(model, stored, CPU, torch.float32)
+    with pytest.raises(ValueError, match="take"):
+        GGUFWeight(Q8_0, good.blocks[:, :-1], good.in_features)  # rows of the wrong byte length
