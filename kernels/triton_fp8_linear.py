@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixlm.kernels.fp8_scales import check_scale
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 PER_TENSOR, PER_CHANNEL, PER_STEP, PER_WEIGHT = 0, 1, 2, 3  # how the scales are applied
 
@@ -67,19 +69,10 @@ def _fp8_linear_kernel(
 def scale_mode(scale: torch.Tensor, n: int, k: int, block: tuple[int, int] | None) -> int:
     """``PER_TENSOR``, ``PER_CHANNEL`` or ``PER_STEP`` / ``PER_WEIGHT`` (block scales) for ``scale``
     of a ``[n, k]`` weight; raises ValueError when its shape fits none."""
+    check_scale(scale, n, k, block)
     if block is not None:
-        bn, bk = block
-        if bn <= 0 or bk <= 0:
-            raise ValueError(f"block must be two positive sizes, got {block}")
-        want = (-(-n // bn), -(-k // bk))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"block scales of a [{n}, {k}] weight in {bn}x{bk} blocks must be {list(want)}, got {tuple(scale.shape)}")
-        return PER_STEP if _step(bk) else PER_WEIGHT
-    if scale.numel() == 1:
-        return PER_TENSOR
-    if scale.dim() == 1 and scale.shape[0] == n or scale.dim() == 2 and tuple(scale.shape) == (n, 1):
-        return PER_CHANNEL
-    raise ValueError(f"scale of a [{n}, {k}] weight must have 1 or {n} elements (or block scales with a block), got {tuple(scale.shape)}")
+        return PER_STEP if _step(block[1]) else PER_WEIGHT
+    return PER_TENSOR if scale.numel() == 1 else PER_CHANNEL
 
 
 def _step(bk: int) -> int:

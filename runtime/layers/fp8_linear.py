@@ -23,22 +23,10 @@ import torch
 from torch import nn
 
 from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.kernels.fp8_scales import check_scale
 
 DENSE_FROM = 32  # rows from which the CPU dequantizes chunks and runs F.linear
 CHUNK_WEIGHTS = 1 << 22  # weights dequantized at once by the PyTorch path (16 MiB in fp32)
-
-
-def check_scale(scale: torch.Tensor, n: int, k: int, block: tuple[int, int] | None) -> None:
-    """Raise ValueError unless ``scale`` is per tensor, per row, or ``block``'s scales of a ``[n, k]`` weight."""
-    if block is not None:
-        bn, bk = block
-        if bn <= 0 or bk <= 0:
-            raise ValueError(f"block must be two positive sizes, got {block}")
-        want = (-(-n // bn), -(-k // bk))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"block scales of a [{n}, {k}] weight in {bn}x{bk} blocks must be {list(want)}, got {tuple(scale.shape)}")
-    elif scale.numel() not in (1, n) or scale.numel() == n > 1 and scale.dim() > 1 and tuple(scale.shape) != (n, 1):
-        raise ValueError(f"scale of a [{n}, {k}] weight must have 1 or {n} elements (or block scales with a block), got {tuple(scale.shape)}")
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, rows: slice | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:

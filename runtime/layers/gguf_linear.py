@@ -169,8 +169,7 @@ class GGUFLinear(nn.Module):
         """What the C++ decode stack computes this layer with (``radixlm.runtime.layers.decode_stack``)."""
         from radixlm.runtime.layers import decode_stack
 
-        make = getattr(decode_stack, "GGUFStackWeight", None)
-        return None if make is None else make(self.parts, self.types, self.out_features, self.bias)
+        return decode_stack.GGUFStackWeight(self.parts, self.types, self.out_features, self.bias)
 
     def weight_bytes(self) -> int:
         """Bytes of the blocks a call reads."""
@@ -189,13 +188,13 @@ class GGUFEmbedding(nn.Module):
         self.qtype, self.embedding_dim, self.dtype = weight.qtype, weight.in_features, dtype
         self.register_buffer("blocks", weight.blocks.contiguous())
         self.num_embeddings = weight.out_features
+        self.native = self.qtype in kernel_types()  # the C++ row lookup, else the gguf package's
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows of ``input_ids`` in the model's dtype."""
         ids = input_ids.reshape(-1)
-        ext = cpu_kernels()
-        if ext is not None and self.qtype in kernel_types():
-            rows = ext.gguf_dequantize_rows(self.blocks, self.qtype, ids.cpu(), self.embedding_dim)
+        if self.native:
+            rows = cpu_kernels().gguf_dequantize_rows(self.blocks, self.qtype, ids.cpu(), self.embedding_dim)
         else:
             rows = dequantize_blocks(self.blocks[ids.cpu()], self.qtype, self.embedding_dim)
         return rows.to(device=input_ids.device, dtype=self.dtype).reshape(*input_ids.shape, self.embedding_dim)
