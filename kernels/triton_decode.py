@@ -18,6 +18,14 @@ into the scale; everything is accumulated in fp32 and the output is cast to ``q`
 An 8-bit pool (int8, float8) is read as stored, one ``[BLOCK_N, D]`` block at a time, and
 dequantized in registers (fp32 values times the block's per-slot scales of this KV head); the
 dots then run in fp32. A 16-bit pool under an fp32 ``q`` is converted to fp32 the same way.
+
+A layer's attention spec (see ``radixlm.runtime.layers.attention_spec``) is honoured in the
+kernels: the scale is an argument; a sliding window of ``W`` positions narrows each row's key
+range to ``[max(0, seq_len - W), seq_len)``, derived in stage 1 from ``seq_lens`` (so a captured
+CUDA graph stays right) and split into the chunks as the whole sequence would be; a logit
+soft-cap runs ``cap * tanh(score / cap)`` on each score; sinks (one logit per query head) join
+the denominator in stage 2. Each is a compile-time flag, off for plain layers, whose kernels are
+then the same as without them.
 """
 
 from __future__ import annotations
@@ -34,12 +42,27 @@ REDUCE_BLOCK_S = 16  # stage 2 reads this many split slots (masked): one compile
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Scores in the base-2 domain from raw dot products q·k. Without SOFTCAP: dots * qk_scale, where
+# qk_scale = scale * log2(e). With SOFTCAP (cap c): c * tanh(scale * dots / c) * log2(e), where
+# qk_scale = 2 * log2(e) * scale / c and softcap = c * log2(e). tanh(x) = 1 - 2 / (exp(2x) + 1)
+# (Triton has no portable tanh): exp2 overflows to inf for large x, giving 1, and underflows to 0
+# for very negative x, giving -1, so no NaN arises.
+@triton.jit
+def scaled_scores(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """Base-2 scores from raw q·k dot products: scaled, and soft-capped when SOFTCAP."""
+    if SOFTCAP:
+        return softcap * (1.0 - 2.0 / (tl.exp2(dots * qk_scale) + 1.0))
+    else:
+        return dots * qk_scale
+
+
 # Stage 1. Grid (B, Hkv, S): program (b, g, s) handles KV head g of decode row b over chunk s of
 # its sequence, for all query heads h = g * GROUP + i (i < GROUP, padded to BLOCK_H >= 16 rows
 # so the score and value products are tensor-core dots). It runs an online softmax over the
 # chunk in steps of BLOCK_N tokens and stores the normalized partial output and its log-sum-exp.
 # UPCAST: q, K and V go to fp32 before the dots (the pool's dtype differs from q's); HAS_SCALES:
 # the pool is 8-bit and each loaded K/V row is multiplied by its slot's scale for KV head g.
+# HAS_WINDOW: the row's keys start at max(0, seq_len - window); SOFTCAP: see ``scaled_scores``.
 @triton.jit
 def _decode_split_kernel(
     q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
@@ -49,10 +72,11 @@ def _decode_split_kernel(
     stride_rt,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
-    qk_scale, num_splits,
+    qk_scale, softcap, window, num_splits,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_SCALES: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -60,8 +84,12 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens + b)
     row = tl.load(req_rows + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = s * chunk
+    if HAS_WINDOW:  # the new token (position seq_len - 1) sees the last `window` positions
+        first = tl.maximum(seq_len - window, 0)
+    else:
+        first = 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -94,8 +122,8 @@ def _decode_split_kernel(
         if HAS_SCALES:
             kb = kb * tl.load(k_scale + slots * stride_ksn + g * stride_ksh, mask=mask_n, other=0.0).to(tl.float32)[:, None]
             vb = vb * tl.load(v_scale + slots * stride_vsn + g * stride_vsh, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        scores = tl.dot(qv, tl.trans(kb), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        scores = scaled_scores(tl.dot(qv, tl.trans(kb), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -114,15 +142,16 @@ def _decode_split_kernel(
 
 # Stage 2. Grid (B, H): program (b, h) loads the num_splits partial outputs and log-sum-exps of
 # query head h of row b, weights each chunk by exp2(lse_s - max_s lse_s) and writes the
-# normalized sum to out[b, h] in the output's dtype.
+# normalized sum to out[b, h] in the output's dtype. HAS_SINKS: head h's sink logit (natural
+# units, fp32 or 16-bit) joins the denominator as a chunk with no value.
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o, mid_lse, out,
+    mid_o, mid_lse, out, sinks,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -132,10 +161,17 @@ def _decode_reduce_kernel(
     mask_d = offs_d < HEAD_DIM
 
     lse = tl.load(mid_lse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))  # the first chunk is never empty, so the max is finite
+    top = tl.max(lse, 0)  # the first chunk is never empty, so the max is finite
+    if HAS_SINKS:
+        sink = tl.load(sinks + h).to(tl.float32) * 1.4426950408889634  # to the base-2 domain
+        top = tl.maximum(top, sink)
+    weights = tl.exp2(lse - top)
     o_ptrs = mid_o + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :]
     parts = tl.load(o_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    result = tl.sum(parts * weights[:, None], 0) / tl.sum(weights, 0)
+    total = tl.sum(weights, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
+    result = tl.sum(parts * weights[:, None], 0) / total
     tl.store(out + b * stride_ob + h * stride_oh + offs_d, result.to(out.dtype.element_ty), mask=mask_d)
 
 
@@ -185,6 +221,37 @@ def kv_scale_args(
     return k_scale, v_scale, (*k_scale.stride(), *v_scale.stride()), True
 
 
+def score_args(head_dim: int, scale: float | None, softcap: float | None) -> tuple[float, float, bool]:
+    """``(qk_scale, softcap, has_softcap)`` kernel arguments for a score scale (None: ``head_dim ** -0.5``) and soft-cap."""
+    if scale is None:
+        scale = head_dim**-0.5
+    if softcap is None or softcap == 0:
+        return scale * _LOG2E, 0.0, False
+    if softcap < 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return 2.0 * _LOG2E * scale / softcap, softcap * _LOG2E, True
+
+
+def window_arg(window: int | None) -> tuple[int, bool]:
+    """``(window, has_window)`` kernel arguments for a sliding window (None or 0: none)."""
+    if not window:
+        return 0, False
+    if window < 0:
+        raise ValueError(f"window must be positive, got {window}")
+    return int(window), True
+
+
+def sinks_arg(sinks: torch.Tensor | None, num_heads: int, stand_in: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``(sinks, has_sinks)`` kernel arguments: the ``[H]`` sink logits, contiguous; ``stand_in`` (never read) when None."""
+    if sinks is None:
+        return stand_in, False
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must be [num_heads] = [{num_heads}], got {list(sinks.shape)}")
+    if sinks.device != stand_in.device:
+        raise ValueError(f"sinks are on {sinks.device}, the attention's tensors on {stand_in.device}")
+    return sinks.contiguous(), True
+
+
 def num_kv_splits(
     batch_size: int,
     num_kv_heads: int,
@@ -212,6 +279,10 @@ def decode_attention(
     mid_lse: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``q`` ``[B, H, D]`` (one token per row) over the pool; writes and returns ``out`` ``[B, H, D]``.
 
@@ -219,6 +290,9 @@ def decode_attention(
     already be in the pool. ``mid_o`` ``[B, H, S, D]`` and ``mid_lse`` ``[B, H, S]`` (fp32) are the
     partial-result buffers; pass them to reuse one allocation across layers. An 8-bit pool
     needs ``k_scale`` and ``v_scale`` ``[num_slots, num_kv_heads]``, read per block in place.
+    ``scale`` multiplies q·k (None: ``D ** -0.5``); ``window`` (None or 0: none) limits each row
+    to its last ``window`` positions; ``softcap`` caps scores at ``softcap * tanh(s / softcap)``;
+    ``sinks`` ``[H]`` are per-head logits added to the softmax denominator.
     """
     batch, num_heads, head_dim = q.shape
     num_kv = k_pool.shape[1]
@@ -237,6 +311,9 @@ def decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
     k_scale, v_scale, scale_strides, has_scales = kv_scale_args(k_pool, k_scale, v_scale)
     compute = compute_dtype(q.dtype, k_pool.dtype)
+    qk_scale, cap, has_softcap = score_args(head_dim, scale, softcap)
+    window, has_window = window_arg(window)
+    sinks, has_sinks = sinks_arg(sinks, num_heads, mid_lse)
     _decode_split_kernel[(batch, num_kv, num_splits)](
         q, k_pool, v_pool, k_scale, v_scale, req_to_token, req_rows, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1),
@@ -245,19 +322,20 @@ def decode_attention(
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        _LOG2E / math.sqrt(head_dim), num_splits,
+        qk_scale, cap, window, num_splits,
         HEAD_DIM=head_dim, GROUP=group,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=decode_block_n(head_dim, k_pool.dtype, compute),
         DOT_PRECISION=dot_precision(compute), UPCAST=compute != k_pool.dtype, HAS_SCALES=has_scales,
+        HAS_WINDOW=has_window, SOFTCAP=has_softcap,
         num_warps=4 if block_d <= 128 else 8, num_stages=2,
     )
     _decode_reduce_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, sinks,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim,
-        BLOCK_S=max(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+        BLOCK_S=max(REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)), BLOCK_D=block_d, HAS_SINKS=has_sinks,
         num_warps=2 if block_d <= 128 else 4,
     )
     return out

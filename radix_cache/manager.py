@@ -9,8 +9,20 @@ A running request's slot-table row is split in three (``P`` = page size)::
 
 ``cached_len`` and ``alloc_len`` are whole pages. Every slot is at any time exactly one of: free in
 the allocator, held by the tree, or owned by one running request (``alloc_len - cached_len`` of
-them); ``check_accounting`` verifies that. Only this class changes these three lengths: the
-scheduler and decoder ask it to (``reserve``, ``mark_computed``, ``truncate``, ``release``).
+them); ``check_accounting`` verifies that. Only this class changes these lengths: the
+scheduler and decoder ask it to (``reserve``, ``mark_computed``, ``truncate``, ``slide``, ``release``).
+
+On a model whose every layer attends within a sliding window of ``W`` positions, the next token
+at position ``n`` reads only positions ``n - W + 1 .. n``, so ``slide`` lets go of whole pages
+before that (``dropped_len``): owned ones go back to the allocator, and a tree-owned prefix that
+slid out entirely is unlocked (it stays in the tree, evictable, for later requests). The row
+keeps its stale slot numbers there; every attention path starts reading at the window::
+
+    positions: 0 ...... dropped_len ...... kv_len ..... alloc_len
+               [ let go: free, or  ][ owned, KV written ][ reserved ]
+                 tree-owned unlocked
+
+A request that let go of anything never hands its KV to the tree: its row has holes.
 """
 
 from __future__ import annotations
@@ -36,11 +48,17 @@ class KVState:
     kv_len: int = 0
     alloc_len: int = 0
     origin: Origin | None = None  # recorded on the tree nodes this request's KV creates
+    dropped_len: int = 0  # positions before it slid out of every layer's window and were let go
+
+    @property
+    def held_from(self) -> int:
+        """The first position whose slot this request owns (after the tree's part and what it let go)."""
+        return max(self.cached_len, self.dropped_len)
 
     @property
     def owned(self) -> int:
         """Slots this request holds that the tree does not."""
-        return self.alloc_len - self.cached_len
+        return self.alloc_len - self.held_from
 
 
 class KVManager:
@@ -124,6 +142,21 @@ class KVManager:
             self.allocator.free_slots(self.table.read(state.row, keep, state.alloc_len).clone())
             state.alloc_len = keep
 
+    def slide(self, state: KVState, window: int) -> None:
+        """Let go of the whole pages that slid out of a ``window``-position sliding window for
+        every layer (positions before ``kv_len - window + 1``, where the next token's window starts)."""
+        boundary = (state.kv_len - window + 1) // self.page_size * self.page_size
+        if boundary <= state.dropped_len:
+            return
+        if state.dropped_len == 0 and state.cached_len and boundary >= state.cached_len:
+            self.tree.dec_lock_ref(state.last_node)  # the shared prefix is behind the window: evictable again
+            state.last_node = self.tree.root
+        start = state.held_from
+        if boundary > start:
+            self.allocator.free_slots(self.table.read(state.row, start, boundary).clone())
+        if boundary >= state.cached_len or state.dropped_len:
+            state.dropped_len = boundary
+
     def slots(self, state: KVState, start: int, end: int) -> torch.Tensor:
         """The slots of positions ``start .. end`` of a request."""
         return self.table.read(state.row, start, end)
@@ -136,7 +169,7 @@ class KVManager:
         """
         computed = min(state.kv_len, len(tokens))  # never more than the tokens we can name
         aligned = computed - computed % self.page_size
-        if aligned <= state.cached_len or self.tree.disable:
+        if aligned <= state.cached_len or self.tree.disable or state.dropped_len:
             return
         row_slots = self.table.read(state.row, 0, aligned)
         present = self.tree.insert(tokens[:aligned], row_slots, state.origin)
@@ -156,11 +189,11 @@ class KVManager:
         """
         if tokens is not None:
             self.cache_prefix(state, tokens)
-        if state.alloc_len > state.cached_len:
-            self.allocator.free_slots(self.table.read(state.row, state.cached_len, state.alloc_len).clone())
+        if state.alloc_len > state.held_from:
+            self.allocator.free_slots(self.table.read(state.row, state.held_from, state.alloc_len).clone())
         self.tree.dec_lock_ref(state.last_node)
         self.table.free(state.row)
-        state.alloc_len = state.kv_len = state.cached_len = 0
+        state.alloc_len = state.kv_len = state.cached_len = state.dropped_len = 0
 
     def flush(self) -> None:
         """Drop the whole radix cache (only when no request holds a lock)."""
@@ -175,7 +208,9 @@ class KVManager:
         states = list(states)
         for s in states:
             assert s.cached_len <= s.kv_len <= s.alloc_len <= self.table.max_context_len, f"bad KV lengths {s}"
+            assert s.dropped_len <= s.kv_len, f"let go of KV past what was computed {s}"
             assert s.cached_len % self.page_size == 0 and s.alloc_len % self.page_size == 0, f"unaligned KV lengths {s}"
+            assert s.dropped_len % self.page_size == 0, f"unaligned KV lengths {s}"
         owned = sum(s.owned for s in states)
         total = self.allocator.num_slots
         free = self.allocator.available_slots()
@@ -187,7 +222,7 @@ class KVManager:
             return
         self.tree.check_integrity()
         free_pages = self.allocator.free_page_ids()
-        held = [self.table.read(s.row, s.cached_len, s.alloc_len) for s in states]
+        held = [self.table.read(s.row, s.held_from, s.alloc_len) for s in states]
         parts = [self.allocator.page_slots(free_pages), self.tree.all_slots(), *held]
         everything = torch.cat([p.cpu() for p in parts])  # slots may live on the GPU, the empty ones on the CPU
         assert len(torch.unique(everything)) == total, "a KV slot is counted twice"

@@ -133,7 +133,7 @@ def load_model(
         model = family_for(cfg.architecture)(cfg, shard, group)
     install_stored(model, checkpoint.stored, device, dtype)
     materialize(model, device, dtype)
-    model.rotary.rebuild(device)
+    model.rebuild_buffers(device)
     with torch.no_grad():
         model.load_weights(checkpoint.plain())
     model.eval()

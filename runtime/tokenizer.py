@@ -12,7 +12,8 @@ from radixlm.runtime.loader import is_gguf
 logger = logging.getLogger(__name__)
 
 # Tokens that end a turn or a document in common chat formats; they stop generation when present.
-END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>")
+END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>", "<|eom_id|>", "<end_of_turn>")
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "tokenize", "add_generation_prompt", "return_dict", "chat_template")
 
 
 def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
@@ -45,14 +46,47 @@ def end_token_ids(tokenizer, config_eos: list[int]) -> set[int]:
     return ids
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
-    """Render chat messages with the model's template into prompt text."""
+def apply_chat_template(
+    tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:  # fmt: skip
+    """Render chat messages with the model's template into prompt text.
+
+    ``template_kwargs`` are extra variables for the template (Qwen3's ``enable_thinking``). A
+    template without a system role (Gemma 2's refuses one) gets the system text at the start of
+    the first user turn, as Gemma 3's own template places it.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; send a plain prompt instead")
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    reserved = sorted(set(template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    kwargs: dict[str, Any] = {**(template_kwargs or {}), "tokenize": False, "add_generation_prompt": add_generation_prompt}
     if tools:
         kwargs["tools"] = tools
-    return tokenizer.apply_chat_template(messages, **kwargs)
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as exc:
+        folded = _system_folded(messages)
+        if folded is None or "system" not in str(exc).lower():
+            raise
+        return tokenizer.apply_chat_template(folded, **kwargs)
+
+
+def _system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with leading system messages moved into the first user turn (None: no system message to move)."""
+    system = [m for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    if not system or not rest or rest[0].get("role") != "user" or not all(isinstance(m.get("content"), str) for m in system):
+        return None
+    preamble = "\n\n".join(m["content"] for m in system)
+    first = rest[0]
+    content = first.get("content")
+    if isinstance(content, str):
+        merged = f"{preamble}\n\n{content}"
+    else:  # content parts
+        merged = [{"type": "text", "text": preamble + "\n\n"}, *(content or [])]
+    return [{**first, "content": merged}, *rest[1:]]
 
 
 class IncrementalDetokenizer:

@@ -10,6 +10,7 @@ checked against.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,97 @@ def write_gguf(hf_folder: str, out: Path, type_of) -> Path:
 def torch_blocks(blocks: np.ndarray) -> torch.Tensor:
     """Raw blocks as the uint8 tensor the layers take."""
     return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.uint8))
+
+
+FAMILY_ARCHS = {  # HF class -> llama.cpp architecture, for ``write_family_gguf``
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
+}
+
+
+def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32") -> Path:
+    """The tiny checkpoint in ``hf_folder`` (a ``FAMILY_ARCHS`` model, transformers 5 config) as
+    llama.cpp's ``convert_hf_to_gguf.py`` writes it: that converter's metadata keys for the
+    architecture, tensor names from gguf's own name map, Gemma norms stored as ``1 + w``,
+    SmolLM3's q/k rows permuted, Gemma 2's head left out (always tied), Phi-3's longrope factors
+    as tensors. Each 2-D weight in ``type_of(GGUF name)`` (a GGML type name), 1-D ones in F32."""
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(hf_folder) / "config.json").read_text())
+    arch = FAMILY_ARCHS[cfg["architectures"][0]]
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope)
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    w = GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch == "phi3":  # Phi3MiniModel.set_gguf_parameters: its own keys, no key_length
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        w.add_rope_dimension_count(int(full.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+    elif "head_dim" in cfg:
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    if arch == "gemma2":  # Gemma2Model.set_gguf_parameters: no RoPE keys at all
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    elif arch != "phi3":  # TextModel.set_gguf_parameters
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_freq_base(full["rope_theta"])
+        if "sliding_attention" in rope:
+            w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if arch == "gemma3":
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "smollm3":  # LlamaModel.set_gguf_parameters
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id), ("pad_token_id", w.add_pad_token_id)):
+        if isinstance(cfg.get(key), int):
+            add(cfg[key])
+
+    tensors = {k: t.float().numpy() for k, t in load_file(str(Path(hf_folder) / "model.safetensors")).items()}
+    if arch == "phi3" and full.get("long_factor"):  # Phi3MiniModel.generate_extra_tensors
+        scale = cfg["max_position_embeddings"] / full["original_max_position_embeddings"]
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(full["original_max_position_embeddings"])) if scale > 1 else 1.0)
+        tensors = {"rope_factors_long.weight": np.array(full["long_factor"], np.float32),
+                   "rope_factors_short.weight": np.array(full["short_factor"], np.float32), **tensors}  # fmt: skip
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), cfg["num_hidden_layers"])
+    for name, arr in tensors.items():
+        if arch == "gemma2" and name == "lm_head.weight":
+            continue
+        if name.startswith("rope_factors"):
+            gname = name
+        else:
+            base, kind = name.rsplit(".", 1)
+            gname = f"{names.get_name(base)}.{kind}"
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            arr = arr + np.float32(1)
+        if arch == "smollm3" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            arr = _permute(arr, heads if "q_proj" in name else kv_heads)
+        qtype = type_of(gname) if arr.ndim == 2 else "F32"
+        if qtype == "F32":
+            w.add_tensor(gname, np.ascontiguousarray(arr, np.float32))
+        else:
+            w.add_tensor(gname, quantize(arr, qtype), raw_dtype=GGMLQuantizationType[qtype])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -11,6 +11,9 @@ import torch
 from fastapi import Request
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
+# The families beyond Llama's layout, each at a tiny size that still exercises what it adds.
+FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa")
+TINY_WINDOW = 8  # the sliding window of the tiny sliding-window models (prompts run to several times it)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -57,7 +60,8 @@ def make_tokenizer(folder: Path) -> None:
 
 
 def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
-    """Save a tiny random-weight checkpoint of ``arch`` with a tokenizer into ``folder``."""
+    """Save a tiny random-weight checkpoint of ``arch`` (``TINY_ARCHS`` or ``FAMILY_ARCHS``)
+    with a tokenizer into ``folder``."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -84,6 +88,8 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
         cfg = Qwen2Config(tie_word_embeddings=True, **common)
     elif arch == "mistral":
         cfg = MistralConfig(sliding_window=None, **common)
+    elif arch in FAMILY_ARCHS:
+        cfg = _family_config(arch, common)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -94,8 +100,50 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
                 p.normal_(0, 0.1)
             elif p.dim() == 2:
                 p.normal_(0, 0.2)
+            elif arch in FAMILY_ARCHS:  # norms (and sinks) too, so a wrong norm offset shows
+                p.normal_(0 if "gemma" in arch else 1, 0.3)
     model.save_pretrained(str(folder), safe_serialization=True)
     return str(folder)
+
+
+def _family_config(arch: str, common: dict):
+    """The transformers config of a tiny ``FAMILY_ARCHS`` model (each family's distinctive piece switched on)."""
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen3Config,
+        SmolLM3Config,
+    )
+
+    if arch == "qwen3":  # head_dim apart from hidden / heads
+        return Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
+    if arch == "gemma2":  # soft-caps small enough to bend random scores and logits
+        return Gemma2Config(
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW, attn_logit_softcapping=2.0,
+            final_logit_softcapping=4.0, layer_types=["sliding_attention", "full_attention"], **common,
+        )  # fmt: skip
+        # (Gemma's hidden_activation defaults to the tanh GELU)
+    if arch == "gemma3":
+        return Gemma3TextConfig(
+            head_dim=16, query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+            **{**common, "num_hidden_layers": 3},
+        )  # fmt: skip
+    if arch == "phi3":  # longrope (short factors below the original length) rotating 3/4 of each head
+        half = int(16 * 0.75) // 2
+        return Phi3Config(
+            pad_token_id=0, original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [4.0] * half},
+            **common,
+        )  # fmt: skip
+    if arch == "smollm3":  # the second of every two layers without RoPE
+        return SmolLM3Config(no_rope_layers=[1, 0], pad_token_id=0, **common)
+    return MistralConfig(sliding_window=TINY_WINDOW, **common)  # mistral_swa: every layer slides
 
 
 def hf_greedy_divergence(model, prompt_ids: list[int], output_ids: list[int]) -> int | None:

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (fused norm, SiLU-mul, RoPE) against the PyTorch code they replace."""
+"""The C++ CPU kernels (fused norm, SiLU-mul, tanh-GELU-mul, RoPE) against the PyTorch code they replace."""
 
 from __future__ import annotations
 
@@ -40,6 +40,18 @@ def test_silu_mul_matches_pytorch_over_a_wide_range(ext, dtype):
     gate_up[0, :4] = torch.tensor([0.0, -0.0, 1e-30, -1e-30])
     gate, up = gate_up.float().chunk(2, dim=-1)
     torch.testing.assert_close(ext.silu_mul(gate_up), (F.silu(gate) * up).to(dtype), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_pytorch_over_a_wide_range(ext, dtype, monkeypatch):
+    gate_up = (torch.linspace(-60, 60, 2 * 5 * 64).reshape(5, 128) * torch.rand(5, 128)).to(dtype)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e4, -1e4])
+    fused = activation.gelu_tanh_and_mul(gate_up)
+    monkeypatch.setattr(activation, "cpu_kernels", lambda: None)
+    torch.testing.assert_close(fused, activation.gelu_tanh_and_mul(gate_up), **TOL[dtype])
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(fused, (F.gelu(gate, approximate="tanh") * up).to(dtype), **TOL[dtype])
+    assert not torch.allclose(fused.float(), F.silu(gate) * up, atol=1e-3), "not SiLU"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

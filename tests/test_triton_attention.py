@@ -2,7 +2,8 @@
 
 Shapes are tiny and q is fp32 (the interpreter's bf16 ``tl.dot`` is not trustworthy); pools are
 fp32, or bf16/int8/fp8 read by fp32 dots. Every kernel launch costs a fraction of a second here,
-so each test launches only a few.
+so each test launches only a few. The reference is a dense fp64 attention written here
+(``reference_attention``), with the attention spec's scale, sliding window, soft-cap and sinks.
 """
 
 import inspect
@@ -29,12 +30,13 @@ if _TRITON_IMPORTED_EARLY:
         pytrace=False,
     )
 
-from radixlm.kernels.attention import reference_attention  # noqa: E402
+from radixlm.kernels import triton_decode, triton_extend  # noqa: E402
 from radixlm.kernels.triton_decode import decode_attention  # noqa: E402
 from radixlm.kernels.triton_extend import extend_attention  # noqa: E402
 from radixlm.radix_cache.pool import KVPool  # noqa: E402
 from radixlm.runtime.layers.attention import TorchAttentionBackend, select_attention_backend  # noqa: E402
 from radixlm.runtime.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from radixlm.runtime.layers.attention_spec import AttentionSpec  # noqa: E402
 from radixlm.runtime.layers.forward_batch import ForwardBatch  # noqa: E402
 
 pytestmark = pytest.mark.triton
@@ -42,6 +44,40 @@ pytestmark = pytest.mark.triton
 NUM_HEADS = 4
 HEAD_DIM = 24  # not a power of two: exercises the BLOCK_D masking
 TOL = {"atol": 2e-5, "rtol": 2e-5}
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_len: int,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense fp64 attention of one row (transformers' eager rules): ``q`` ``[e, H, D]`` at positions
+    ``prefix_len ..`` over the keys at ``slots`` ``[p + e]``; returns fp32 ``[e, H, D]``."""
+    e, num_heads, head_dim = q.shape
+    group = num_heads // k_pool.shape[1]
+    k = k_pool[slots].double().repeat_interleave(group, dim=1)  # [n, H, D]
+    v = v_pool[slots].double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("ehd,nhd->hen", q.double(), k) * (head_dim**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    q_pos = prefix_len + torch.arange(e)[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= q_pos - k_pos < window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.double()[:, None, None].expand(num_heads, e, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
+    return torch.einsum("hen,nhd->ehd", probs, v).float()
 
 
 def _scattered_table(seq_lens: list[int], num_slots: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +162,9 @@ def test_extend_is_causal_over_cached_prefix_and_new_tokens(group: int) -> None:
         torch.testing.assert_close(out[s : s + e], want, **TOL)
 
 
-def _backend_forward(backend, pool: KVPool, layer: int, qkv, table, rows, out_slots, prefixes, extends, num_decode: int) -> torch.Tensor:
+def _backend_forward(
+    backend, pool: KVPool, layer: int, qkv, table, rows, out_slots, prefixes, extends, num_decode: int, spec: AttentionSpec | None = None
+) -> torch.Tensor:
     """One attention layer of a batch (decode rows first) through ``backend``'s forward."""
     q, k, v = qkv
     num_tokens = int(out_slots.numel())
@@ -144,7 +182,7 @@ def _backend_forward(backend, pool: KVPool, layer: int, qkv, table, rows, out_sl
         attn_backend=backend,
     )
     backend.init_forward_metadata(batch)
-    return backend.forward(q, k, v, layer, batch)
+    return backend.forward(q, k, v, layer, batch, spec)
 
 
 def test_backend_mixed_batch_matches_torch_backend_and_writes_pool() -> None:
@@ -294,3 +332,215 @@ def test_backend_mixed_batch_on_int8_pool_matches_reference_on_dequantized_pool(
         want = reference_attention(q[start : start + e], k_deq, v_deq, table[r, : p + e], p)
         torch.testing.assert_close(got[start : start + e], want, **TOL)
         start += e
+
+
+# ------------------------------------------------------------ attention specs (scale, window, softcap, sinks)
+WINDOW = 13  # not a multiple of the interpreter's 16-token blocks
+SINKS = torch.tensor([-2.0, 0.0, 1.5, 30.0])  # per head (a wrong head index shows); 30 outweighs every score
+i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+
+
+def _decode_case(seed: int, seq_lens: list[int], num_kv: int = NUM_HEADS // 2, kv_format: str = "auto", q_scale: float = 1.0):
+    """A pool, a scattered slot table, decode queries and the pool's K/V as fp32 for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = _random_pool(num_kv, gen, kv_format=kv_format)
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=gen) * q_scale
+    k_ref, v_ref = pool.read(0, slice(None), torch.float32)
+    return pool, table, rows, q, k_ref, v_ref
+
+
+def _check_decode(seq_lens: list[int], num_splits: int, seed: int = 30, kv_format: str = "auto", q_scale: float = 1.0, **spec) -> None:
+    """Decode rows of ``seq_lens`` through ``num_splits`` splits under ``spec``, against the dense reference."""
+    pool, table, rows, q, k_ref, v_ref = _decode_case(seed, seq_lens, kv_format=kv_format, q_scale=q_scale)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        q, pool.k[0], pool.v[0], table, rows, i32(seq_lens), out, num_splits,
+        k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], **spec,
+    )
+    for b, length in enumerate(seq_lens):
+        want = reference_attention(q[b : b + 1], k_ref, v_ref, table[rows[b], :length], length - 1, **spec)
+        torch.testing.assert_close(out[b : b + 1], want, **TOL, msg=lambda m, b=b: f"decode row {b} (length {seq_lens[b]}): {m}")
+
+
+def _check_extend(prefixes: list[int], extends: list[int], seed: int = 40, kv_format: str = "auto", q_scale: float = 1.0, **spec) -> None:
+    """Extend rows (``prefixes`` cached, ``extends`` new) under ``spec``, against the dense reference."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefixes, extends)]
+    pool = _random_pool(NUM_HEADS // 2, gen, kv_format=kv_format)
+    k_ref, v_ref = pool.read(0, slice(None), torch.float32)
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    starts = [sum(extends[:i]) for i in range(len(extends))]
+    q = torch.randn(sum(extends), NUM_HEADS, HEAD_DIM, generator=gen) * q_scale
+    out = torch.full_like(q, float("nan"))
+    extend_attention(
+        q, pool.k[0], pool.v[0], out, table, rows, i32(prefixes), i32(extends), i32(starts), max(extends),
+        k_scale=pool.k_scale[0], v_scale=pool.v_scale[0], **spec,
+    )
+    for i, (p, e) in enumerate(zip(prefixes, extends)):
+        s = starts[i]
+        want = reference_attention(q[s : s + e], k_ref, v_ref, table[rows[i], : p + e], p, **spec)
+        torch.testing.assert_close(out[s : s + e], want, **TOL, msg=lambda m, i=i: f"extend row {i} (prefix {prefixes[i]}, new {extends[i]}): {m}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sliding_window_sees_only_the_last_window_positions(num_splits: int) -> None:
+    """Rows shorter than, equal to, one past and far past the window; 3 splits share the window's range."""
+    _check_decode([1, 5, WINDOW, WINDOW + 1, 40, 47], num_splits, window=WINDOW)
+
+
+@pytest.mark.parametrize("blocks", [None, (32, 16, 4)])
+def test_extend_sliding_window_over_prompts_and_cached_prefixes(blocks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts shorter than, equal to and longer than the window (over several query blocks),
+    prefixes inside the window and past it: each query sees exactly its last WINDOW positions.
+    With query blocks taller than key blocks (as on GPUs for fp32 at D > 128) a block's later
+    queries see no key of its first step: their empty rows must give 0, not NaN."""
+    if blocks is not None:
+        monkeypatch.setattr(triton_extend, "extend_block_sizes", lambda *_: blocks)
+    _check_extend([0, 0, 0, 7, 30, 3], [5, WINDOW, 40, 3, 20, 1], window=WINDOW)
+
+
+def test_window_of_one_sees_only_the_token_itself() -> None:
+    """The smallest window: each query's output is its own value row (decode and extend)."""
+    _check_decode([1, 20], 2, window=1)
+    _check_extend([0, 17], [18, 2], window=1)
+
+
+def test_softcap_caps_scores_in_decode_and_extend() -> None:
+    """A soft-cap small enough to change every row (scores here reach well past it)."""
+    _check_decode([1, 17, 40], 3, softcap=2.0)
+    _check_extend([0, 19], [18, 3], softcap=2.0)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the interpreter's numpy exp2
+def test_softcap_tanh_stays_finite_for_huge_scores() -> None:
+    """Scores around ±1e5 before the cap: the exp-based tanh saturates to ±1 instead of giving NaN."""
+    _check_decode([1, 17, 40], 2, q_scale=1e4, softcap=5.0)
+    _check_extend([0, 19], [18, 3], q_scale=1e4, softcap=5.0)
+
+
+def test_sinks_join_the_denominator_in_decode_reduce_and_extend() -> None:
+    """Per-head sink logits from small to dominant, over several decode splits and extend blocks."""
+    _check_decode([1, 17, 40], 3, sinks=SINKS)
+    _check_extend([0, 19], [18, 3], sinks=SINKS)
+
+
+def test_custom_scale_replaces_the_default() -> None:
+    """A family's own scale (Gemma's query_pre_attn_scalar style) instead of head_dim ** -0.5."""
+    _check_decode([5, 40], 3, scale=0.5)
+    _check_extend([0, 19], [18, 3], scale=0.5)
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8_e4m3", "bfloat16"])
+def test_every_spec_feature_together_on_quantized_pools(kv_format: str) -> None:
+    """Scale, window, soft-cap and sinks at once over 8-bit (with scales) and 16-bit pools."""
+    spec = {"scale": 0.3, "window": WINDOW, "softcap": 4.0, "sinks": SINKS}
+    _check_decode([1, WINDOW, 40], 3, kv_format=kv_format, **spec)
+    _check_extend([0, 19], [18, 3], kv_format=kv_format, **spec)
+
+
+def test_kernels_refuse_malformed_spec_arguments() -> None:
+    """Sinks not ``[H]``, a negative window or soft-cap raise instead of reading out of bounds."""
+    pool, table, rows, q, _, _ = _decode_case(50, [3])
+    args = (q, pool.k[0], pool.v[0], table, rows, i32([3]), torch.empty_like(q), 1)
+    with pytest.raises(ValueError, match="sinks must be"):
+        decode_attention(*args, sinks=torch.zeros(NUM_HEADS + 1))
+    with pytest.raises(ValueError, match="window must be positive"):
+        decode_attention(*args, window=-4)
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        decode_attention(*args, softcap=-1.0)
+
+
+def _mixed_batch(seed: int, prefixes: list[int], extends: list[int]):
+    """A 2-layer pool, slot table, the new tokens' slots and their q/k/v for a decode-first batch."""
+    gen = torch.Generator().manual_seed(seed)
+    num_kv = NUM_HEADS // 2
+    seq_lens = [p + e for p, e in zip(prefixes, extends)]
+    pool = _random_pool(num_kv, gen, num_layers=2)
+    table, rows = _scattered_table(seq_lens, pool.num_slots, gen)
+    out_slots = torch.cat([table[r, p : p + e] for r, p, e in zip(rows.tolist(), prefixes, extends)])
+    n = int(out_slots.numel())
+    qkv = (torch.randn(n, h, HEAD_DIM, generator=gen) for h in (NUM_HEADS, num_kv, num_kv))
+    return pool, table, rows, out_slots, tuple(qkv)
+
+
+def test_backend_forward_applies_the_spec_to_decode_and_extend_rows() -> None:
+    """Every spec feature through TritonAttentionBackend.forward on a mixed batch: decode rows
+    inside and past the window, extend rows with and without a cached prefix."""
+    prefixes, extends = [4, WINDOW - 1, 33, 0, 20], [1, 1, 1, 18, 5]  # rows 0-2 decode, 3-4 extend
+    pool, table, rows, out_slots, (q, k, v) = _mixed_batch(60, prefixes, extends)
+    spec = AttentionSpec(scale=0.3, window=WINDOW, softcap=4.0, sinks=SINKS)
+    backend = TritonAttentionBackend(min_split_tokens=16)  # the 34-token row takes 3 splits
+    got = _backend_forward(backend, pool, 1, (q, k, v), table, rows, out_slots, prefixes, extends, 3, spec)
+    got = got.view(-1, NUM_HEADS, HEAD_DIM)
+    start = 0
+    for r, p, e in zip(rows.tolist(), prefixes, extends):
+        want = reference_attention(q[start : start + e], pool.k[1], pool.v[1], table[r, : p + e], p, 0.3, WINDOW, 4.0, SINKS)
+        torch.testing.assert_close(got[start : start + e], want, **TOL)
+        start += e
+
+
+def test_windowed_decode_through_static_metadata_follows_seq_lens_updated_in_place() -> None:
+    """A CUDA graph's decode: metadata built once over fixed req_rows/seq_lens tensors, then the
+    lengths advance in place; the window must follow them (it is applied inside the kernel)."""
+    lengths = [[3, 12], [14, 30], [25, 41]]  # inside, across and far past the window
+    pool, table, rows, _, (q, _, _) = _mixed_batch(70, [n - 1 for n in lengths[-1]], [1, 1])
+    backend = TritonAttentionBackend(min_split_tokens=16)
+    seq_lens = torch.zeros(2, dtype=torch.int32)
+    meta = backend.static_decode_metadata(rows, seq_lens, max_seq_len=48, num_kv_heads=pool.num_kv_heads)
+    k_pool, v_pool = pool.k[0], pool.v[0]
+    spec = AttentionSpec(HEAD_DIM**-0.5, window=WINDOW)
+    for step in lengths:
+        seq_lens.copy_(i32(step))
+        out_slots = torch.stack([table[r, n - 1] for r, n in zip(rows.tolist(), step)])
+        k_new, v_new = k_pool[out_slots].clone(), v_pool[out_slots].clone()  # rewrite what is there
+        batch = ForwardBatch(
+            input_ids=torch.zeros(2, dtype=torch.int64), positions=torch.tensor(step) - 1, out_slots=out_slots,
+            req_rows=rows, prefix_lens=[n - 1 for n in step], extend_lens=[1, 1], num_decode=2,
+            logits_indices=torch.arange(2), req_to_token=table, kv_pool=pool, attn_backend=backend, attn_meta=meta,
+        )
+        got = backend.forward(q, k_new, v_new, 0, batch, spec).view(2, NUM_HEADS, HEAD_DIM)
+        for b, (r, n) in enumerate(zip(rows.tolist(), step)):
+            want = reference_attention(q[b : b + 1], k_pool, v_pool, table[r, :n], n - 1, window=WINDOW)
+            torch.testing.assert_close(got[b : b + 1], want, **TOL)
+
+
+class _LaunchRecorder:
+    """Stands in for a jitted kernel: records each launch's constexpr flags, then launches it."""
+
+    FLAGS = ("HAS_WINDOW", "SOFTCAP", "HAS_SINKS")
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append({f: kwargs[f] for f in self.FLAGS if f in kwargs})
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_plain_layers_launch_the_kernels_with_every_spec_flag_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spec None and a plain spec compile to the plain kernels (no window, soft-cap or sink code);
+    a windowed spec turns on only its own flag, in the split and extend kernels."""
+    recorders = {}
+    for module, name in ((triton_decode, "_decode_split_kernel"), (triton_decode, "_decode_reduce_kernel"), (triton_extend, "_extend_kernel")):
+        recorders[name] = _LaunchRecorder(getattr(module, name))
+        monkeypatch.setattr(module, name, recorders[name])
+    prefixes, extends = [6, 0], [1, 5]
+    pool, table, rows, out_slots, qkv = _mixed_batch(80, prefixes, extends)
+    backend = TritonAttentionBackend()
+    plain = [None, AttentionSpec.default(HEAD_DIM), AttentionSpec(0.5)]
+    for spec in [*plain, AttentionSpec(0.5, window=4)]:
+        batch = ForwardBatch(
+            input_ids=torch.zeros(6, dtype=torch.int64), positions=torch.tensor([6, 0, 1, 2, 3, 4]), out_slots=out_slots,
+            req_rows=rows, prefix_lens=prefixes, extend_lens=extends, num_decode=1, logits_indices=torch.arange(6),
+            req_to_token=table, kv_pool=pool, attn_backend=backend,
+        )
+        backend.init_forward_metadata(batch)
+        backend.forward(*qkv, 0, batch, spec)
+    off = {"HAS_WINDOW": False, "SOFTCAP": False}
+    assert recorders["_decode_split_kernel"].launches == [off] * 3 + [{**off, "HAS_WINDOW": True}]
+    assert recorders["_decode_reduce_kernel"].launches == [{"HAS_SINKS": False}] * 4
+    assert recorders["_extend_kernel"].launches == [{**off, "HAS_SINKS": False}] * 3 + [{**off, "HAS_WINDOW": True, "HAS_SINKS": False}]

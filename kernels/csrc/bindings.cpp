@@ -8,12 +8,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over slot ranges", py::arg("q"), py::arg("k_pool"),
         py::arg("v_pool"), py::arg("table"), py::arg("rows"), py::arg("starts"), py::arg("lens"), py::arg("scale"),
         py::arg("init_out") = py::none(), py::arg("init_lse") = py::none(), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-        py::arg("splits") = 1);
+        py::arg("splits") = 1, py::arg("softcap") = 0.0);
   m.def("add_rms_norm", &add_rms_norm, "RMSNorm of x (+ residual); returns (sum, normed)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("quantize_into", &quantize_into, "Quantize [T, Hkv, D] into an 8-bit pool at slots, with fp16 scales",
         py::arg("x"), py::arg("slots"), py::arg("values"), py::arg("scales"), py::arg("qmax"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused [T, 2I] gate/up output", py::arg("gate_up"));
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu(gate, approximate='tanh') * up of a fused [T, 2I] gate/up output",
+        py::arg("gate_up"));
   m.def("rope", &rope, "Rotate-half rotary embedding with fp32 cos/sin [T, D/2]", py::arg("x"), py::arg("cos"),
         py::arg("sin"));
   m.def("q4_linear", &q4_linear, "x @ W.T for float32 x [M, K] and W [n, K] in Q4_1 tiles of 4 rows", py::arg("x"),

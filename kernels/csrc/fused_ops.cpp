@@ -1,5 +1,5 @@
-// Fused element-wise CPU ops of a Llama decoder layer: RMSNorm (optionally after the residual
-// add), SiLU-and-multiply, and rotary embedding. Each computes in fp32 and rounds once to the
+// Fused element-wise CPU ops of a decoder layer: RMSNorm (optionally after the residual add),
+// SiLU- and tanh-GELU-and-multiply, and rotary embedding. Each computes in fp32 and rounds once to the
 // tensor's dtype, as the PyTorch reference in runtime/models does; rows run on intra-op threads.
 
 #include <torch/extension.h>
@@ -54,6 +54,28 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
         const float x = static_cast<float>(g[i]);
         const float e = radixlm::exp_nonpositive(-std::fabs(x));  // exp(-|x|): never overflows
         const float sig = (x >= 0.0f ? 1.0f : e) / (1.0f + e);
+        o[i] = static_cast<T>(x * sig * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the
+// sigmoid as silu_mul_rows computes it, from exp(-|2u|), which never overflows.
+template <typename T>
+void gelu_tanh_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  constexpr float kTwoSqrtTwoOverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * inter;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = static_cast<float>(g[i]);
+        const float z = kTwoSqrtTwoOverPi * (x + 0.044715f * x * x * x);
+        const float e = radixlm::exp_nonpositive(-std::fabs(z));
+        const float sig = (z >= 0.0f ? 1.0f : e) / (1.0f + e);
         o[i] = static_cast<T>(x * sig * static_cast<float>(u[i]));
       }
     }
@@ -120,6 +142,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty({gc.size(0), inter}, gc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gc.scalar_type(), "silu_mul", [&] {
     silu_mul_rows<scalar_t>(gc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gc.size(0), inter);
+  });
+  return out;
+}
+
+// gelu(gate, approximate='tanh') * up for gate_up [T, 2I] (gate first); returns [T, I].
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  auto gc = gate_up.contiguous();
+  check_rows(gc, "gate_up");
+  TORCH_CHECK(gc.size(1) % 2 == 0, "gate_up must have an even last dimension");
+  const int64_t inter = gc.size(1) / 2;
+  auto out = torch::empty({gc.size(0), inter}, gc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gc.scalar_type(), "gelu_tanh_mul", [&] {
+    gelu_tanh_mul_rows<scalar_t>(gc.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), gc.size(0), inter);
   });
   return out;
 }

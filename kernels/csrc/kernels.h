@@ -10,10 +10,11 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
                                         torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
                                         torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
                                         c10::optional<torch::Tensor> init_lse, c10::optional<torch::Tensor> k_scale,
-                                        c10::optional<torch::Tensor> v_scale, int64_t splits);
+                                        c10::optional<torch::Tensor> v_scale, int64_t splits, double softcap);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
                                         double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, torch::Tensor scales, double qmax);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor tiles, int64_t n);

@@ -14,6 +14,9 @@
 // one fp16 scale per (slot, KV head) for K and for V. Values are converted to fp32 as they are
 // loaded (the key's scale multiplies its scores, the value's is folded into its softmax
 // weight), so the pool is read in place whatever its format.
+//
+// A soft-capped layer (Gemma 2) passes `softcap` > 0: each score s becomes softcap * tanh(s /
+// softcap) before the softmax; 0 leaves the scores alone (one branch a block).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec_math.h"
@@ -67,6 +71,20 @@ inline float to_float(c10::Float8_e4m3fn x) { return fp8_bits_to_float<3, 7>(x.x
 template <>
 inline float to_float(c10::Float8_e5m2 x) { return fp8_bits_to_float<2, 15>(x.x); }
 
+// tanh(x) as sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|) <= 1: branch-free, so the soft-cap
+// loop vectorizes (std::tanh does not), and accurate to a few ulp.
+inline float tanh_vec(float x) {
+  const float e = radixlm::exp_nonpositive(-2.0f * std::fabs(x));
+  return std::copysign((1.0f - e) / (1.0f + e), x);
+}
+
+// Soft-cap n scores in place: s -> cap * tanh(s / cap).
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = cap * tanh_vec(s[j] * inv);
+}
+
 // The scale of (slot, head), or 1 for an unscaled pool.
 inline float scale_at(const c10::Half* scales, int64_t slot, int64_t kv_heads, int64_t h) {
   return scales == nullptr ? 1.0f : static_cast<float>(scales[slot * kv_heads + h]);
@@ -87,11 +105,13 @@ inline void prefetch_rows(const T* k_pool, const T* v_pool, const int64_t* slots
   }
 }
 
-template <typename T>
+// CAPPED: the scores are soft-capped at `softcap` (a separate instantiation, so that the plain
+// kernel's code is exactly what it was without soft-capping).
+template <typename T, bool CAPPED>
 void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Half* k_scale, const c10::Half* v_scale,
                  const int64_t* table, const int64_t* table_rows, const int64_t* starts, const int64_t* lens,
                  const float* init_out, const float* init_lse, float* out, float* lse, int64_t rows, int64_t heads,
-                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale, int64_t splits,
+                 int64_t kv_heads, int64_t dim, int64_t table_stride, float scale, float softcap, int64_t splits,
                  float* part_out, float* part_lse) {
   const int64_t group = heads / kv_heads;
   // Chunk s of every row writes to part_out/part_lse [rows, splits, heads(, dim)], merged below;
@@ -141,6 +161,9 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
               const float* qg = qf.data() + (h * group + g) * dim;
               scores[g * BLOCK + j] = radixlm::dot(qg, rowf.data(), dim) * ks;
             }
+          }
+          if constexpr (CAPPED) {
+            for (int64_t g = 0; g < group; ++g) soft_cap(scores.data() + g * BLOCK, nb, softcap);
           }
           for (int64_t g = 0; g < group; ++g) {
             const int64_t hg = h * group + g;
@@ -244,13 +267,15 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
 // init_out [B, H, D] and init_lse [B, H] (fp32, optional): an earlier part of each row's attention
 // (lse -inf where a row has none) that the result continues.
 // k_scale, v_scale [N, Hkv] fp16 (optional, required for int8 and fp8 pools): per (slot, head) scales.
+// softcap > 0: scores soft-capped at it (0: none).
 // Returns (out [B, H, D] fp32, lse [B, H] fp32).
 std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                         torch::Tensor table, torch::Tensor rows, torch::Tensor starts,
                                         torch::Tensor lens, double scale, c10::optional<torch::Tensor> init_out,
                                         c10::optional<torch::Tensor> init_lse, c10::optional<torch::Tensor> k_scale,
-                                        c10::optional<torch::Tensor> v_scale, int64_t splits) {
+                                        c10::optional<torch::Tensor> v_scale, int64_t splits, double softcap) {
   TORCH_CHECK(splits >= 1, "splits must be >= 1");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3, "q must be [B, H, D] and the pool [N, Hkv, D]");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "the K and V pools must share a dtype");
@@ -290,12 +315,20 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor k_pool, t
   const c10::Half* vs = eight_bit ? v_scale->data_ptr<c10::Half>() : nullptr;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    decode_rows<T>(qc.data_ptr<float>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), ks, vs, table.data_ptr<int64_t>(),
-                   rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(),
-                   io.defined() ? io.data_ptr<float>() : nullptr, il.defined() ? il.data_ptr<float>() : nullptr,
-                   out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads, dim, table.size(1),
-                   static_cast<float>(scale), splits, part_out.defined() ? part_out.data_ptr<float>() : nullptr,
-                   part_lse.defined() ? part_lse.data_ptr<float>() : nullptr);
+    auto call = [&](auto capped) {
+      decode_rows<T, decltype(capped)::value>(
+          qc.data_ptr<float>(), k_pool.data_ptr<T>(), v_pool.data_ptr<T>(), ks, vs, table.data_ptr<int64_t>(),
+          rw.data_ptr<int64_t>(), st.data_ptr<int64_t>(), ln.data_ptr<int64_t>(),
+          io.defined() ? io.data_ptr<float>() : nullptr, il.defined() ? il.data_ptr<float>() : nullptr,
+          out.data_ptr<float>(), lse.data_ptr<float>(), b, heads, kv_heads, dim, table.size(1),
+          static_cast<float>(scale), static_cast<float>(softcap), splits,
+          part_out.defined() ? part_out.data_ptr<float>() : nullptr, part_lse.defined() ? part_lse.data_ptr<float>() : nullptr);
+    };
+    if (softcap > 0.0) {
+      call(std::true_type{});
+    } else {
+      call(std::false_type{});
+    }
   };
   switch (kv_type) {
     case at::kFloat: run(float{}); break;

@@ -3,13 +3,11 @@ weights either as stored (quantized blocks, ``GGUFWeight``) or dequantized once 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,16 +15,27 @@ from tqdm.auto import tqdm
 
 from radixlm.runtime.checkpoints.base import Checkpoint
 from radixlm.runtime.checkpoints.folder import safetensors_tensors
+from radixlm.runtime.checkpoints.gguf_names import (
+    ARCHITECTURES,
+    ROPE_PERMUTED,
+    gguf_to_hf_name,
+    is_shifted_norm,
+)
 from radixlm.runtime.disk_cache import entry_for, write_entry
 from radixlm.runtime.layers.gguf_linear import GGUFWeight
 from radixlm.runtime.models.config import ModelConfig
 
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
 logger = logging.getLogger(__name__)
+
+__all__ = ["gguf_config", "gguf_hf_config", "gguf_to_hf_name", "open_gguf", "unpermute_rope_rows"]
 
 DENSE_TYPES = (0, 1, 30)  # F32, F16, BF16: loaded as plain tensors
 
 
-def gguf_reader(path: str):
+def gguf_reader(path: str) -> GGUFReader:
     """A ``gguf.GGUFReader`` over the file (memory-mapped)."""
     from gguf import GGUFReader
 
@@ -38,70 +47,139 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def gguf_config(path: str, reader=None) -> ModelConfig:
-    """The architecture a GGUF file's metadata describes."""
+def _f32(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-06, not
+    9.99999997e-07): the number the Hugging Face config held, where that was a float32's."""
+    return float(str(np.float32(value)))
+
+
+def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dictionary (transformers 5 names) a GGUF file describes:
+    its metadata, llama.cpp's fixed rules where the file says nothing (Gemma's layer patterns
+    and attention scale, SmolLM3's RoPE-less layers), and Phi-3's longrope factor tensors."""
     r = reader or gguf_reader(path)
     arch = _field(r, "general.architecture")
-    if arch not in ("llama", "mistral", "qwen2"):
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; radixlm runs llama, mistral and qwen2")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; radixlm runs {', '.join(ARCHITECTURES)}")
 
-    def get(key, default=None):
+    def get(key: str, default=None):
         return _field(r, f"{arch}.{key}", default)
 
-    num_heads = get("attention.head_count")
-    hidden = get("embedding_length")
-    names = {t.name for t in r.tensors}
-    vocab = get("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
-    scaling = None
-    if get("rope.scaling.type") in ("linear",):
-        scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    eos = _field(r, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"),
-        num_heads=num_heads,
-        num_kv_heads=get("attention.head_count_kv", num_heads),
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // num_heads,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=arch == "qwen2",
-        bos_token_id=_field(r, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
-    )
+    tensors = {t.name: t for t in r.tensors}
+    hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
+    head_dim = get("attention.key_length") or (None if arch == "phi3" else get("rope.dimension_count")) or hidden // heads
+    embed = tensors.get("token_embd.weight")
+    vocab = int(embed.shape[1]) if embed is not None else get("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
+    hf_class, model_type = ARCHITECTURES[arch]
+    cfg: dict[str, Any] = {
+        "architectures": [hf_class],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        "rope_parameters": _rope_parameters(get, _f32(get("rope.freq_base", 10000.0))),
+        **_tokens(r),
+    }
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma(arch, get, cfg))
+    elif arch == "phi3":
+        cfg.update(_phi3(get, tensors, cfg))
+    elif arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (a fixed step, no key)
+        cfg.update(no_rope_layer_interval=4, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)],
+                   use_sliding_window=False, sliding_window=None)  # fmt: skip
+    elif arch == "qwen3":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    if "hidden_activation" not in cfg:  # Gemma names its GELU so; the rest run SiLU
+        cfg["hidden_act"] = "silu"
+    if arch in ("phi3", "smollm3"):  # their HF configs derive head_dim (hidden / heads)
+        del cfg["head_dim"]
+    if arch == "phi3":  # and Phi-3's has no biases to name
+        del cfg["attention_bias"]
+    return cfg
 
 
-_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+def _tokens(reader) -> dict[str, Any]:
+    """bos/pad ids, and the end-of-generation ids (eos, then end of turn and of message)."""
+    ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot", "eom", "padding")}
+    ends = list(dict.fromkeys(int(ids[k]) for k in ("eos", "eot", "eom") if ids[k] is not None))
+    out: dict[str, Any] = {"bos_token_id": ids["bos"], "eos_token_id": ends[0] if len(ends) == 1 else ends or None}
+    if ids["padding"] is not None:
+        out["pad_token_id"] = ids["padding"]
+    return out
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for tensors the model does not use."""
-    if name in _NAMES:
-        return _NAMES[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+def _rope_parameters(get, theta: float) -> dict[str, Any]:
+    """RoPE base and scaling (linear, yarn) as transformers' ``rope_parameters``."""
+    kind, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    if kind == "linear" and factor:
+        return {"rope_type": "linear", "factor": _f32(factor), "rope_theta": theta}
+    if kind == "yarn" and factor:
+        params = {"rope_type": "yarn", "factor": _f32(factor), "rope_theta": theta,
+                  "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}  # fmt: skip
+        for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if get(f"rope.scaling.{key}") is not None:
+                params[name] = _f32(get(f"rope.scaling.{key}"))
+        return params
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def _layer_types(layers: int, pattern: int | list, window: int | None) -> list[str]:
+    """llama.cpp's sliding-window layers: a per-layer flag list, or ``n``: the last of every n
+    layers global, the rest sliding (``set_swa_pattern``); all global without a window."""
+    if not window:
+        return ["full_attention"] * layers
+    if isinstance(pattern, list):
+        slides = [bool(x) for x in pattern]
+    else:
+        slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    return ["sliding_attention" if s else "full_attention" for s in slides]
+
+
+def _gemma(arch: str, get, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3: layer pattern (2, 3: 6), window, soft-caps, query scale, per-layer-type RoPE."""
+    layers, window = cfg["num_hidden_layers"], get("attention.sliding_window")
+    if arch == "gemma2":
+        window = 4096 if window is None else window  # llama.cpp's default for Gemma 2
+    window = int(window) if window else None
+    big = layers == (46 if arch == "gemma2" else 62)  # llama.cpp: the 27B models scale by hidden / heads
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window,
+        "layer_types": _layer_types(layers, get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6), window),
+        "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+        "final_logit_softcapping": _f32(get("final_logit_softcapping", 30.0 if arch == "gemma2" else 0.0)) or None,
+        "attn_logit_softcapping": _f32(get("attn_logit_softcapping", 50.0)) if arch == "gemma2" else None,
+        "tie_word_embeddings": cfg["tie_word_embeddings"] or arch == "gemma2",
+    }
+    if arch == "gemma3":  # local layers: their own base (llama.cpp's default 10000), never scaled
+        local = {"rope_type": "default", "rope_theta": _f32(get("rope.freq_base_swa", 10000.0))}
+        out["rope_parameters"] = {"sliding_attention": local, "full_attention": cfg["rope_parameters"]}
+    return out
+
+
+def _phi3(get, tensors: dict, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3: original context, the share of each head RoPE turns, longrope factor tensors, window."""
+    original = int(get("rope.scaling.original_context_length") or cfg["max_position_embeddings"])
+    rotary = get("rope.dimension_count")
+    rope = {**cfg["rope_parameters"], "partial_rotary_factor": rotary / cfg["head_dim"] if rotary else 1.0}
+    if "rope_factors_long.weight" in tensors:
+        factors = {k: [_f32(v) for v in np.asarray(tensors[f"rope_factors_{k}.weight"].data, np.float32)] for k in ("long", "short")}
+        rope.update(rope_type="longrope", long_factor=factors["long"], short_factor=factors["short"], original_max_position_embeddings=original)
+    window = get("attention.sliding_window")
+    return {"original_max_position_embeddings": original, "rope_parameters": rope, "sliding_window": int(window) if window else None}
+
+
+def gguf_config(path: str, reader: GGUFReader | None = None) -> ModelConfig:
+    """The architecture a GGUF file's metadata describes."""
+    return ModelConfig.from_hf_dict(gguf_hf_config(path, reader))
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -111,13 +189,23 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rows_in_hf_order(name: str, arr: np.ndarray, cfg: ModelConfig) -> np.ndarray:
-    if cfg.architecture in ("llama", "mistral"):
-        if ".attn_q." in name:
-            return unpermute_rope_rows(arr, cfg.num_heads)
-        if ".attn_k." in name:
-            return unpermute_rope_rows(arr, cfg.num_kv_heads)
+def _in_hf_form(name: str, arr: np.ndarray, arch: str, cfg: dict[str, Any]) -> np.ndarray:
+    """A tensor (or its rows of blocks) as Hugging Face has it: q/k rows back in HF's RoPE order
+    (Llama-style architectures), Gemma norms back from ``1 + w`` to ``w`` (in float32)."""
+    if arch in ROPE_PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+        return unpermute_rope_rows(arr, heads)
+    if is_shifted_norm(name, arch):
+        return arr.astype(np.float32) - np.float32(1)
     return arr
+
+
+def _weights(path: str, reader) -> tuple[dict[str, Any], str, list[tuple[Any, str]]]:
+    """The file's HF config, its architecture, and each weight tensor with its HF name."""
+    cfg = gguf_hf_config(path, reader)
+    arch = _field(reader, "general.architecture")
+    named = [(t, gguf_to_hf_name(t.name, arch)) for t in reader.tensors]
+    return cfg, arch, [(t, hf) for t, hf in named if hf is not None]
 
 
 def open_gguf(path: str, native: bool = True) -> Checkpoint:
@@ -127,33 +215,30 @@ def open_gguf(path: str, native: bool = True) -> Checkpoint:
         return _dequantized(path)
     from gguf.quants import dequantize
 
-    reader = gguf_reader(path)
-    cfg = gguf_config(path, reader)
+    hf_cfg, arch, weights = _weights(path, gguf_reader(path))
     plain: list[tuple[str, torch.Tensor]] = []
     stored: dict[str, GGUFWeight] = {}
-    for t in tqdm(reader.tensors, desc="Reading weights", unit="tensor", leave=False):
-        hf = gguf_to_hf_name(t.name)
-        if hf is None:
-            continue
+    for t, hf in tqdm(weights, desc="Reading weights", unit="tensor", leave=False):
         qtype = int(t.tensor_type)
-        if qtype in DENSE_TYPES:
-            arr = dequantize(t.data, t.tensor_type)
-            plain.append((hf, torch.from_numpy(np.array(_rows_in_hf_order(t.name, arr, cfg), copy=True))))
+        if qtype in DENSE_TYPES or is_shifted_norm(t.name, arch):  # a shift needs the values, not the blocks
+            arr = _in_hf_form(t.name, dequantize(t.data, t.tensor_type), arch, hf_cfg)
+            plain.append((hf, torch.from_numpy(np.array(arr, copy=True))))
         else:
-            blocks = np.array(_rows_in_hf_order(t.name, t.data, cfg), dtype=np.uint8, copy=True)
+            blocks = np.array(_in_hf_form(t.name, t.data, arch, hf_cfg), dtype=np.uint8, copy=True)
             stored[hf] = GGUFWeight(qtype, torch.from_numpy(blocks), int(t.shape[0]))
-    return Checkpoint(cfg, lambda: iter(plain), stored, os.path.getsize(path))
+    return Checkpoint(ModelConfig.from_hf_dict(hf_cfg), lambda: iter(plain), stored, os.path.getsize(path))
 
 
-def _dequantized_tensors(cfg: ModelConfig, reader) -> Iterator[tuple[str, torch.Tensor]]:
+def _dequantized_tensors(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The file's HF config, and its weights dequantized to float32 under HF names."""
     from gguf.quants import dequantize
 
-    for t in tqdm(reader.tensors, desc="Loading weights", unit="tensor", leave=False):
-        hf = gguf_to_hf_name(t.name)
-        if hf is None:
-            continue
-        arr = _rows_in_hf_order(t.name, dequantize(t.data, t.tensor_type), cfg)
-        yield hf, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    hf_cfg, arch, weights = _weights(path, gguf_reader(path))
+    tensors = {}
+    for t, hf in tqdm(weights, desc="Loading weights", unit="tensor", leave=False):
+        arr = _in_hf_form(t.name, dequantize(t.data, t.tensor_type), arch, hf_cfg)
+        tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    return hf_cfg, tensors
 
 
 def _dequantized(path: str) -> Checkpoint:
@@ -162,21 +247,19 @@ def _dequantized(path: str) -> Checkpoint:
     size = os.path.getsize(path)
     if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
         try:
-            cfg = ModelConfig(**json.loads((entry / "config.json").read_text()))
+            cfg = ModelConfig.from_hf_dict(json.loads((entry / "config.json").read_text()))
             return Checkpoint(cfg, lambda: safetensors_tensors(str(entry)), {}, size)
-        except (OSError, TypeError, ValueError) as exc:
+        except (OSError, TypeError, ValueError, KeyError) as exc:
             logger.warning("ignoring unreadable weight cache %s: %s", entry, exc)
-    reader = gguf_reader(path)
-    cfg = gguf_config(path, reader)
-    tensors = dict(_dequantized_tensors(cfg, reader))
+    hf_cfg, tensors = _dequantized_tensors(path)
 
     def fill(tmp: Path) -> None:
         from safetensors.torch import save_file
 
         save_file(tensors, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        (tmp / "config.json").write_text(json.dumps(hf_cfg))
 
     if not write_entry(entry, fill):
         logger.warning("could not cache dequantized weights in %s", entry)
     items: list[tuple[str, Any]] = list(tensors.items())
-    return Checkpoint(cfg, lambda: iter(items), {}, size)
+    return Checkpoint(ModelConfig.from_hf_dict(hf_cfg), lambda: iter(items), {}, size)

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.radix_cache.pool import KVPool
+    from radixlm.runtime.layers.attention_spec import AttentionSpec
 
 
 class BatchAttention(Protocol):
@@ -25,8 +26,10 @@ class BatchAttention(Protocol):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Prepare whatever index tensors every layer of this batch will reuse."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]``; returns ``[T, H*D]``."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, spec: AttentionSpec | None = None
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]`` as ``spec`` says; returns ``[T, H*D]``."""
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""ModelConfig: the architecture facts the engine needs, read from a HF config or GGUF metadata."""
+"""ModelConfig: the architecture facts the engine needs, read from a HF config or GGUF metadata.
+
+Per-layer facts (which layers slide, which skip RoPE, which RoPE base a layer uses) are read
+into lists and small dicts here, so a family asks ``cfg.window(layer)`` instead of knowing how
+each config spells it (``layer_types``, ``use_sliding_window``, ``no_rope_layers``, Gemma 3's
+``rope_parameters`` keyed by layer type).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from radixlm.runtime.models.registry import supported_architectures
 
 @dataclass
 class ModelConfig:
-    """Shapes and hyper-parameters of a Llama-family decoder."""
+    """Shapes and hyper-parameters of a dense decoder (every family the registry holds)."""
 
     architecture: str
     vocab_size: int
@@ -27,16 +33,40 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer: "sliding_attention" or "full_attention"; None: all full
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power, not head_dim's
+    attn_logit_softcapping: float | None = None  # Gemma 2
+    final_logit_softcapping: float | None = None  # Gemma 2
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base ...
+    local_rope_scaling: dict[str, Any] | None = None  # ... and scaling (None: none)
+    no_rope_layers: list[int] | None = None  # SmolLM3: 1 where a layer applies RoPE, 0 where it does not
+    partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
 
     @property
     def context_length(self) -> int:
-        """Longest sequence the model attends over (a sliding window caps it)."""
-        if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """Longest sequence the model attends over (sliding windows slide; they do not cap it)."""
         return self.max_position_embeddings
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or None where it attends to every position."""
+        if not self.sliding_window:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def uses_rope(self, layer: int) -> bool:
+        """False for the layers that attend without positions (SmolLM3's NoPE layers)."""
+        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
+
+    @property
+    def all_layers_slide(self) -> bool:
+        """True when every layer attends within one sliding window (so a request keeps only the window's KV)."""
+        return all(self.window(i) is not None for i in range(self.num_layers))
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -55,6 +85,8 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        global_rope, local_rope = _rope_by_layer_type(cfg)
+        local_theta, local_scaling = (None, None) if local_rope is None else (_rope_theta(local_rope), _rope_scaling(local_rope, cfg))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -65,31 +97,84 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
-            rope_scaling=_rope_scaling(cfg),
+            rope_theta=_rope_theta(global_rope),
+            rope_scaling=_rope_scaling(global_rope, cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            sliding_window=_sliding_window(cfg),
+            layer_types=_layer_types(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=_dtype_name(cfg.get("torch_dtype") or cfg.get("dtype")),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            local_rope_theta=local_theta,
+            local_rope_scaling=local_scaling,
+            no_rope_layers=list(cfg["no_rope_layers"]) if cfg.get("no_rope_layers") else None,
+            partial_rotary_factor=float(_rope_field(global_rope, "partial_rotary_factor", 1.0)),
         )
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    if "rope_theta" in cfg:
-        return float(cfg["rope_theta"])
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The window of the sliding layers; None when no layer slides."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None
+    types = cfg.get("layer_types")
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
+def _layer_types(cfg: dict[str, Any]) -> list[str] | None:
+    """Each layer's attention kind, where the config lists them (older configs: every layer the same)."""
+    types = cfg.get("layer_types")
+    return list(types) if types else None
+
+
+def _rope_by_layer_type(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The RoPE settings of the full-attention layers, and the sliding layers' own (or None).
+
+    transformers 5 writes ``rope_parameters`` keyed by layer type where they differ (Gemma 3);
+    older Gemma 3 configs say ``rope_local_base_freq`` for the sliding layers, whose RoPE is
+    unscaled; everything else has one setting for all layers.
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        return {**cfg, "rope_parameters": params["full_attention"]}, {**cfg, "rope_parameters": params.get("sliding_attention") or {}}
+    if cfg.get("rope_local_base_freq") is not None:
+        return cfg, {"rope_theta": cfg["rope_local_base_freq"]}
+    return cfg, None
+
+
+def _rope_field(cfg: dict[str, Any], name: str, default: Any) -> Any:
+    """A RoPE setting from the config's top level, else from its ``rope_parameters``."""
+    if cfg.get(name) is not None:
+        return cfg[name]
     params = cfg.get("rope_parameters") or {}
-    return float(params.get("rope_theta", 10000.0))
+    return params.get(name, default)
 
 
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    return float(_rope_field(cfg, "rope_theta", 10000.0))
+
+
+def _rope_scaling(rope: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The RoPE scaling dict (with ``rope_type``), or None for plain RoPE; a longrope's original
+    context length is taken from the config's top level where the scaling dict lacks it."""
+    scaling = rope.get("rope_scaling") or rope.get("rope_parameters") or None
     if scaling is None:
         return None
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    return None if kind == "default" else {**scaling, "rope_type": kind}
+    if kind == "default":
+        return None
+    scaling = {**scaling, "rope_type": kind}
+    if "original_max_position_embeddings" not in scaling and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return scaling
 
 
 def _dtype_name(value: Any) -> str | None:

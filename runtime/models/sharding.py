@@ -1,10 +1,11 @@
-"""How a Llama-family model splits across tensor-parallel ranks (Megatron-style).
+"""How a dense decoder splits across tensor-parallel ranks (Megatron-style).
 
 Column-parallel (each rank keeps a slice of the output rows): the fused q/k/v projection (its
 rank's query heads and the KV heads they read) and the fused gate/up projection (a slice of the
 intermediate size). Row-parallel (a slice of the input columns, partial sums all-reduced): the
 output projection and the down projection. Vocabulary-parallel: the embedding and the output head
-each keep a contiguous slice of the vocabulary.
+each keep a contiguous slice of the vocabulary. Per-head attention sinks go with their heads;
+norms (the hidden-size ones and the per-head q/k norms) are whole on every rank.
 
 Query heads go with their KV head, so every rank keeps grouped-query attention's uniform group:
 
@@ -112,6 +113,8 @@ def shard_rows(shard: TPShard, cfg: ModelConfig, hf_module: str) -> tuple[int, i
         return 0, shard.heads[0] * d, shard.heads[1] * d
     if hf_module in ("self_attn.k_proj", "self_attn.v_proj"):
         return 0, shard.kv_heads[0] * d, shard.kv_heads[1] * d
+    if hf_module == "self_attn.sinks":
+        return 0, *shard.heads
     if hf_module == "self_attn.o_proj":
         return 1, shard.heads[0] * d, shard.heads[1] * d
     if hf_module in ("mlp.gate_proj", "mlp.up_proj"):

@@ -79,6 +79,8 @@ class ForwardPass(Finishing):
             req = row.req
             if req.finish is None and req.kv is not None:  # KV of rejected drafts: stale, its pages freed
                 self.kv.truncate(req.kv, req.seq_len - 1 - len(req.draft_ids))
+                if self.kv_window is not None:  # before the prompt is shared: a row with holes is not
+                    self.kv.slide(req.kv, self.kv_window)
         return rows
 
     def _speculate(self) -> None:

@@ -65,3 +65,7 @@ class SchedulerState:
         self.prefill_yield_share = args.prefill_yield_share
         self.prefill_clocks: dict[Req, PrefillClock] = {}  # the unfinished prompts' clocks
         self._paused: list[Req] = []  # unfinished prompts sitting out the step being formed
+        cfg = runner.config
+        # every layer slides: a request lets go of the KV behind its window (not under PD, which
+        # hands a prompt's whole KV over)
+        self.kv_window = cfg.sliding_window if cfg.all_layers_slide and args.disaggregation_mode is None else None

@@ -27,7 +27,7 @@ from radixlm.runtime.entrypoints.openai.protocol import (
 from radixlm.runtime.entrypoints.openai.tool_call_stream import ToolCallStreamer
 from radixlm.runtime.entrypoints.openai.tool_formats import ToolFormat
 from radixlm.runtime.request import ReqOutput
-from radixlm.runtime.tokenizer import apply_chat_template
+from radixlm.runtime.tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template
 
 
 def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
@@ -46,9 +46,12 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
     tool_format = tool_formats.detect(engine.tokenizer) if renders else tool_formats.HERMES  # else our prompt teaches Hermes
     use_tools = tools if choice != "none" else []
     messages = tool_calls.template_messages(body.messages, use_tools, renders)
+    reserved = sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
     try:
         template_tools = [t.model_dump() for t in use_tools] if (renders and use_tools) else None
-        text = apply_chat_template(engine.tokenizer, messages, tools=template_tools)
+        text = apply_chat_template(engine.tokenizer, messages, tools=template_tools, template_kwargs=body.chat_template_kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except Exception as exc:  # the template itself rejected the conversation
@@ -136,7 +139,7 @@ def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[in
             hints.append((len(ids), float(message.cache_control.ttl)))
             continue
         try:
-            text = apply_chat_template(engine.tokenizer, messages[: i + 1], tools=tools, add_generation_prompt=False)
+            text = apply_chat_template(engine.tokenizer, messages[: i + 1], tools=tools, add_generation_prompt=False, template_kwargs=body.chat_template_kwargs)
         except Exception as exc:
             raise APIError(400, f"messages[{i}].cache_control: the chat template could not render the prefix up to this message: {exc}", param=f"messages.{i}.cache_control") from None
         prefix = engine.tokenize(text, add_special_tokens=False)

@@ -228,6 +228,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None  # extra template variables (Qwen3: enable_thinking)
 
 
 # ------------------------------------------------------------- responses

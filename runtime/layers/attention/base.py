@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from radixlm.runtime.layers.attention_spec import AttentionSpec
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 __all__ = ["AttentionBackend", "register_attention_backend", "register_unavailable_backend", "select_attention_backend"]
@@ -39,8 +40,11 @@ class AttentionBackend(ABC):
         """Prepare whatever index tensors every layer of this batch will reuse."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]``; returns ``[T, H*D]``."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, spec: AttentionSpec | None = None
+    ) -> torch.Tensor:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]`` as ``spec``
+        says (None: plain causal attention at ``D ** -0.5``); returns ``[T, H*D]``."""
 
 
 class DecodeCapturingBackend(AttentionBackend):

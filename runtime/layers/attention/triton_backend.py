@@ -4,6 +4,10 @@ Per batch, ``init_forward_metadata`` turns the row layout into small int32 devic
 every layer then writes its new K/V into the pool and launches at most three kernels (decode
 split, decode reduce, extend). Decode rows come first in the token order, so the decode output
 is ``out[:num_decode]`` and extend row ``i`` starts at ``num_decode + sum(extend_lens[:i])``.
+
+A layer's ``AttentionSpec`` goes to the kernels as arguments (scale, window, soft-cap, sinks);
+nothing of it is in the per-batch metadata, so one metadata (a CUDA graph's included) serves
+every layer: a sliding window is applied inside the kernels from each row's length.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from radixlm.kernels.triton_decode import decode_attention, num_kv_splits
 from radixlm.kernels.triton_extend import extend_attention
 from radixlm.runtime.layers.attention.base import DecodeCapturingBackend
+from radixlm.runtime.layers.attention_spec import AttentionSpec
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 
@@ -81,8 +86,10 @@ class TritonAttentionBackend(DecodeCapturingBackend):
             max_extend_len=0,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch) -> torch.Tensor:
-        """Write the new KV into the pool, then run the decode and extend kernels into one output."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, spec: AttentionSpec | None = None
+    ) -> torch.Tensor:
+        """Write the new KV into the pool, then run the decode and extend kernels, as ``spec`` says, into one output."""
         pool, meta = batch.kv_pool, batch.attn_meta
         pool.write(layer, batch.out_slots, k, v)
         k_pool, v_pool = pool.k[layer], pool.v[layer]
@@ -92,18 +99,21 @@ class TritonAttentionBackend(DecodeCapturingBackend):
             q = q.contiguous()
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
         nd = meta.num_decode
+        if spec is None:
+            spec = AttentionSpec.default(head_dim)
+        opts = {"scale": spec.scale, "window": spec.window, "softcap": spec.softcap, "sinks": spec.sinks}
         if nd:
             if meta.mid_o is None or meta.mid_o.shape[1:] != (num_heads, meta.num_splits, head_dim):
                 meta.mid_o = torch.empty(nd, num_heads, meta.num_splits, head_dim, dtype=torch.float32, device=q.device)
                 meta.mid_lse = torch.empty(nd, num_heads, meta.num_splits, dtype=torch.float32, device=q.device)
             decode_attention(
                 q[:nd], k_pool, v_pool, batch.req_to_token, meta.decode_rows, meta.decode_seq_lens,
-                out[:nd], meta.num_splits, meta.mid_o, meta.mid_lse, k_scale, v_scale,
+                out[:nd], meta.num_splits, meta.mid_o, meta.mid_lse, k_scale, v_scale, **opts,
             )
         if meta.max_extend_len:
             extend_attention(
                 q, k_pool, v_pool, out, batch.req_to_token, meta.extend_rows, meta.prefix_lens,
-                meta.extend_lens, meta.q_starts, meta.max_extend_len, k_scale, v_scale,
+                meta.extend_lens, meta.q_starts, meta.max_extend_len, k_scale, v_scale, **opts,
             )
         return out.view(num_tokens, num_heads * head_dim)
 
