@@ -338,9 +338,10 @@ def test_a_gguf_stack_weight_reaches_the_stack_as_parts_and_types(ext):
     layer = _GGUFLayer([_quantized(torch.randn(8, 64), Q8_0), _quantized(torch.randn(4, 64), Q4_0)])
     w = stack_weight(layer, 1)
     assert isinstance(w, GGUFStackWeight) and w.types == [Q8_0, Q4_0] and w.n == 12 and w.bias is None
-    stack = ext.DecodeStack(1, 1, 4, 1e-6)  # q/k/v: 4 + 2 * 4 = 12 rows
-    norm = torch.ones(64)
+    stack = ext.DecodeStack(1, 1, 4)  # q/k/v: 4 + 2 * 4 = 12 rows
+    norms, eps = [torch.ones(64), torch.ones(64), None, None, None, None], [1e-6] * 6
+    plain = (0, 0.5, 0.0, None, "silu")  # RoPE table 0, scale, no soft-cap, no sinks, SiLU
     with pytest.raises(RuntimeError, match="rows in all"):  # parts that do not make n rows
-        stack.add_layer(norm, w.parts, w.types, 12, None, w.parts, w.types, 13, norm, w.parts, w.types, 12, w.parts, w.types, 12)
+        stack.add_layer(norms, eps, w.parts, w.types, 12, None, w.parts, w.types, 13, w.parts, w.types, 12, w.parts, w.types, 12, *plain)
     with pytest.raises(RuntimeError, match="one type per part"):
-        stack.add_layer(norm, w.parts, [Q8_0], 12, None, w.parts, w.types, 12, norm, w.parts, w.types, 12, w.parts, w.types, 12)
+        stack.add_layer(norms, eps, w.parts, [Q8_0], 12, None, w.parts, w.types, 12, w.parts, w.types, 12, w.parts, w.types, 12, *plain)
