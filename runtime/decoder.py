@@ -145,6 +145,10 @@ class Decoder:
         ranges += [(row.req, first, count) for row, first, count in spans.picks]
         if self.faults is not None:
             self.faults.poison(logits, [(req.rid, first, count) for req, first, count in ranges])
+        # a row's sum is finite only when every entry is (an inf or NaN makes it inf or NaN), and
+        # the sum is one cheap pass; a sum that overflowed is checked entry by entry below
+        if logits.numel() == 0 or bool(torch.isfinite(logits.sum(dim=-1)).all()):
+            return
         finite = torch.isfinite(logits).all(dim=-1)
         if bool(finite.all()):
             return
@@ -223,7 +227,11 @@ class Decoder:
         if self.faults is not None:
             for r in reqs:
                 self.faults.check(r.rid, "sample")
-        rows_logits = logits.index_select(0, torch.tensor([f for _, f in plain], device=logits.device))
+        firsts = [f for _, f in plain]
+        if firsts == list(range(logits.shape[0])):  # every row, in order (a decode step): no copy
+            rows_logits = logits
+        else:
+            rows_logits = logits.index_select(0, torch.tensor(firsts, device=logits.device))
         mask = None
         if any(masks[r] is not None for r in reqs):
             mask = self._unpack([masks[r] for r in reqs])

@@ -19,6 +19,7 @@ from torch import nn
 from radixlm.runtime.checkpoints import open_checkpoint
 from radixlm.runtime.checkpoints.folder import folder_config
 from radixlm.runtime.checkpoints.gguf import gguf_config, gguf_to_hf_name, unpermute_rope_rows
+from radixlm.runtime.checkpoints.gguf_names import gguf_expert_names
 from radixlm.runtime.checkpoints.install import install_stored, materialize, weight_bytes
 from radixlm.runtime.checkpoints.open import is_gguf
 from radixlm.runtime.distributed.group import TPGroup
@@ -70,7 +71,8 @@ def stored_formats(path: str) -> set[str]:
 
         reader = gguf_reader(path)
         return {f"gguf:{type_name(int(t.tensor_type))}" for t in reader.tensors
-                if int(t.tensor_type) not in DENSE_TYPES and t.name != "token_embd.weight" and gguf_to_hf_name(t.name)}  # fmt: skip
+                if int(t.tensor_type) not in DENSE_TYPES and t.name != "token_embd.weight"
+                and (gguf_to_hf_name(t.name) or gguf_expert_names(t.name))}  # fmt: skip
     from radixlm.runtime.checkpoints.folder import quantization_config
 
     qconfig = quantization_config(path) if os.path.isfile(os.path.join(path, "config.json")) else None

@@ -54,7 +54,7 @@ NOTHING_ALLOWED = "sampling failed: every token is banned for this request (stop
 def unsampleable(logits: torch.Tensor, allowed_mask: torch.Tensor | None) -> torch.Tensor:
     """Codes per row of processed ``logits`` ``[B, V]``: 0 usable, 1 NaN or +inf, 2 nothing
     allowed by its bans (rows whose grammar ``allowed_mask`` allows nothing count as usable)."""
-    top = logits.max(dim=-1).values  # NaN when any entry is NaN
+    top = logits.amax(dim=-1)  # NaN when any entry is NaN (amax: one pass, no indices)
     broken = torch.isnan(top) | (top == float("inf"))
     empty = top == float("-inf")
     if allowed_mask is not None:
@@ -150,7 +150,9 @@ def sample(
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-    if greedy:
+    if len(greedy) == len(rows):  # every row greedy: no copy of the rows
+        tokens = logits.argmax(dim=-1)
+    elif greedy:
         idx = torch.tensor(greedy, device=logits.device)
         tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
     probs = noise = None

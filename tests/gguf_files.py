@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -167,17 +168,62 @@ FAMILY_ARCHS = {  # HF class -> llama.cpp architecture, for ``write_family_gguf`
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",  # LlamaModel converts Mixtral
 }
+# one expert's projection in a HF checkpoint (transformers 5 saves Mixtral's under its original names)
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+_PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+EXPERT_LAYOUTS = ("merged", "fused", "per_expert")
 
 
-def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32") -> Path:
+def _gguf_tensor(w, name: str, arr: np.ndarray, qtype: str) -> None:
+    """Add ``arr`` (2-D or 3-D: quantized along its last dimension) as ``qtype``."""
+    from gguf import GGMLQuantizationType
+
+    if qtype == "F32":
+        w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
+    else:
+        blocks = quantize(arr.reshape(-1, arr.shape[-1]), qtype)
+        w.add_tensor(name, blocks.reshape(*arr.shape[:-1], blocks.shape[-1]), raw_dtype=GGMLQuantizationType[qtype])
+
+
+def _experts_as_written(tensors: dict[str, np.ndarray], layout: str) -> dict[str, np.ndarray]:
+    """The checkpoint's per-expert projections as GGUF tensors: ``merged`` as today's converter
+    stacks them (``blk.N.ffn_gate_exps.weight``, [experts, rows, columns]); ``fused`` as it does with
+    ``--fuse-gate-up-exps`` (``ffn_gate_up_exps``: each expert's gate rows, then its up rows);
+    ``per_expert`` as llama.cpp's files before 2024 (``blk.N.ffn_gate.E.weight``). The routers too."""
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    out = {}
+    for name in list(tensors):
+        if m := _ROUTER.match(name):
+            out[f"blk.{m.group(1)}.ffn_gate_inp.weight"] = tensors.pop(name)
+        elif m := _EXPERT.match(name):
+            experts.setdefault((int(m.group(1)), _PROJ[m.group(3)]), {})[int(m.group(2))] = tensors.pop(name)
+    for (layer, proj), by_id in sorted(experts.items()):
+        stacked = np.stack([by_id[e] for e in range(len(by_id))])
+        if layout == "per_expert":
+            out.update({f"blk.{layer}.ffn_{proj}.{e}.weight": stacked[e] for e in range(len(by_id))})
+        elif layout == "fused" and proj in ("gate", "up"):
+            if proj == "gate":
+                up = np.stack([experts[layer, "up"][e] for e in range(len(by_id))])
+                out[f"blk.{layer}.ffn_gate_up_exps.weight"] = np.concatenate([stacked, up], axis=1)
+        else:
+            out[f"blk.{layer}.ffn_{proj}_exps.weight"] = stacked
+    return out
+
+
+def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", experts: str = "merged") -> Path:
     """The tiny checkpoint in ``hf_folder`` (a ``FAMILY_ARCHS`` model, transformers 5 config) as
     llama.cpp's ``convert_hf_to_gguf.py`` writes it: that converter's metadata keys for the
     architecture, tensor names from gguf's own name map, Gemma norms stored as ``1 + w``,
-    SmolLM3's q/k rows permuted, Gemma 2's head left out (always tied), Phi-3's longrope factors
-    as tensors. Each 2-D weight in ``type_of(GGUF name)`` (a GGML type name), 1-D ones in F32."""
+    SmolLM3's and Mixtral's q/k rows permuted, Gemma 2's head left out (always tied), Phi-3's
+    longrope factors as tensors, a mixture's experts in the ``experts`` layout (``EXPERT_LAYOUTS``)
+    and its routers in F32. Each 2-D or 3-D weight in ``type_of(GGUF name)`` (a GGML type name),
+    1-D ones in F32."""
     import gguf
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGUFWriter
     from safetensors.torch import load_file
 
     cfg = json.loads((Path(hf_folder) / "config.json").read_text())
@@ -198,7 +244,7 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32") -> 
         w.add_rope_dimension_count(int(full.get("partial_rotary_factor", 1.0) * hidden) // heads)
         w.add_rope_freq_base(full["rope_theta"])
         w.add_sliding_window(cfg.get("sliding_window") or 0)
-    elif "head_dim" in cfg:
+    elif cfg.get("head_dim") is not None:
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
     if arch == "gemma2":  # Gemma2Model.set_gguf_parameters: no RoPE keys at all
@@ -216,9 +262,14 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32") -> 
         if cfg.get("final_logit_softcapping"):
             w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
         w.add_sliding_window(cfg["sliding_window"])
-    if arch == "smollm3":  # LlamaModel.set_gguf_parameters
+    if arch in ("smollm3", "llama"):  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(cfg.get("head_dim") or hidden // heads)
+    if n_experts := cfg.get("num_local_experts") or cfg.get("num_experts"):  # TextModel.set_gguf_parameters
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if arch == "qwen3moe":  # Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id), ("pad_token_id", w.add_pad_token_id)):
         if isinstance(cfg.get(key), int):
@@ -230,26 +281,50 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32") -> 
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(full["original_max_position_embeddings"])) if scale > 1 else 1.0)
         tensors = {"rope_factors_long.weight": np.array(full["long_factor"], np.float32),
                    "rope_factors_short.weight": np.array(full["short_factor"], np.float32), **tensors}  # fmt: skip
+    moe = _experts_as_written(tensors, experts)  # takes the experts and routers out of ``tensors``
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), cfg["num_hidden_layers"])
-    for name, arr in tensors.items():
+    for name, arr in {**tensors, **moe}.items():
         if arch == "gemma2" and name == "lm_head.weight":
             continue
-        if name.startswith("rope_factors"):
+        if name.startswith(("rope_factors", "blk.")):
             gname = name
         else:
             base, kind = name.rsplit(".", 1)
             gname = f"{names.get_name(base)}.{kind}"
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + np.float32(1)
-        if arch == "smollm3" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("smollm3", "llama") and name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = _permute(arr, heads if "q_proj" in name else kv_heads)
-        qtype = type_of(gname) if arr.ndim == 2 else "F32"
-        if qtype == "F32":
-            w.add_tensor(gname, np.ascontiguousarray(arr, np.float32))
-        else:
-            w.add_tensor(gname, quantize(arr, qtype), raw_dtype=GGMLQuantizationType[qtype])
+        qtype = type_of(gname) if arr.ndim >= 2 and not gname.endswith("ffn_gate_inp.weight") else "F32"
+        _gguf_tensor(w, gname, arr, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def metadata_gguf(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
+    """A GGUF file of ``arch`` with only metadata (``kv``: key suffix -> value, over a small
+    dense model's) and a token table."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    base = {"block_count": layers, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
+            "attention.head_count_kv": 2, "attention.key_length": 16, "attention.layer_norm_rms_epsilon": 1e-6}  # fmt: skip
+    for key, value in {**base, **kv}.items():
+        name = key if key.startswith("tokenizer.") else f"{arch}.{key}"
+        if isinstance(value, list):
+            w.add_array(name, value)
+        elif isinstance(value, str):
+            w.add_string(name, value)
+        elif isinstance(value, float):
+            w.add_float32(name, value)
+        else:
+            w.add_uint32(name, value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

@@ -12,7 +12,7 @@ from fastapi import Request
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 # The families beyond Llama's layout, each at a tiny size that still exercises what it adds.
-FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa")
+FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa", "mixtral", "qwen3_moe", "gpt_oss")
 TINY_WINDOW = 8  # the sliding window of the tiny sliding-window models (prompts run to several times it)
 
 CHAT_TEMPLATE = (
@@ -98,7 +98,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif p.dim() == 2:
+            elif p.dim() >= 2:  # matrices, and experts stacked as [experts, rows, cols]
                 p.normal_(0, 0.2)
             elif arch in FAMILY_ARCHS:  # norms (and sinks) too, so a wrong norm offset shows
                 p.normal_(0 if "gemma" in arch else 1, 0.3)
@@ -111,9 +111,12 @@ def _family_config(arch: str, common: dict):
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GptOssConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen3Config,
+        Qwen3MoeConfig,
         SmolLM3Config,
     )
 
@@ -141,6 +144,16 @@ def _family_config(arch: str, common: dict):
                              "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [4.0] * half},
             **common,
         )  # fmt: skip
+    if arch == "mixtral":  # 4 experts, 2 a token, renormalised
+        return MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **common)
+    if arch == "qwen3_moe":  # a dense first layer (mlp_only_layers), then 8 experts, 3 a token, not renormalised
+        return Qwen3MoeConfig(
+            head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64, mlp_only_layers=[0],
+            norm_topk_prob=False, tie_word_embeddings=False, **common,
+        )  # fmt: skip
+    if arch == "gpt_oss":  # sinks, a sliding then a full layer, YaRN, biases, 4 experts (2 a token), a SwiGLU clamp that bites
+        return GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_WINDOW, swiglu_limit=1.0,
+                            layer_types=["sliding_attention", "full_attention"], **common)  # fmt: skip
     if arch == "smollm3":  # the second of every two layers without RoPE
         return SmolLM3Config(no_rope_layers=[1, 0], pad_token_id=0, **common)
     return MistralConfig(sliding_window=TINY_WINDOW, **common)  # mistral_swa: every layer slides

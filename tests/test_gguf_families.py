@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf_files import dequantize, quantize, write_family_gguf
+from gguf_files import dequantize, metadata_gguf, quantize, write_family_gguf
 
 import radixlm
 from helpers import hf_greedy_divergence, load_hf_model, make_tokenizer
@@ -184,31 +183,6 @@ def test_the_engine_on_the_gguf_decodes_transformers_greedy_tokens(gguf_of, hf_f
         assert len(output) == 12 and hf_greedy_divergence(original, prompt, output) is None, (prompt, output)
 
 
-def _metadata_file(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
-    """A GGUF file of ``arch`` with only metadata (``kv``: key suffix -> value) and a token table."""
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(path), arch)
-    base = {"block_count": layers, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
-            "attention.head_count_kv": 2, "attention.key_length": 16, "attention.layer_norm_rms_epsilon": 1e-6}  # fmt: skip
-    for key, value in {**base, **kv}.items():
-        name = key if key.startswith("tokenizer.") else f"{arch}.{key}"
-        if isinstance(value, list):
-            w.add_array(name, value)
-        elif isinstance(value, str):
-            w.add_string(name, value)
-        elif isinstance(value, float):
-            w.add_float32(name, value)
-        else:
-            w.add_uint32(name, value)
-    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
-
-
 RULES = {
     # case: (arch, metadata, layers, what the config says)
     "gemma3 without a window: every layer global": ("gemma3", {}, 6, {"sliding_window": None, "layer_types": ["full_attention"] * 6}),
@@ -239,10 +213,10 @@ RULES = {
 @pytest.mark.parametrize("case", list(RULES))
 def test_llama_cpp_rules_where_the_file_says_nothing(tmp_path, case):
     arch, kv, layers, want = RULES[case]
-    cfg = gguf_hf_config(_metadata_file(tmp_path / "m.gguf", arch, kv, layers))
+    cfg = gguf_hf_config(metadata_gguf(tmp_path / "m.gguf", arch, kv, layers))
     assert {k: cfg.get(k) for k in want} == want
 
 
 def test_an_architecture_we_do_not_map_is_named(tmp_path):
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma'"):
-        gguf_hf_config(_metadata_file(tmp_path / "m.gguf", "gemma", {}))
+        gguf_hf_config(metadata_gguf(tmp_path / "m.gguf", "gemma", {}))

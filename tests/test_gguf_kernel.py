@@ -31,7 +31,7 @@ TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q4_Z)
 # each type's fp16 fields (byte offsets in a block) and, for Q4_1/Q5_1, which may be negative (a minimum)
 HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
           IQ4_NL: (0,), IQ4_XS: (0,), Q4_Z: (0,)}  # fmt: skip
-ROWS = [1, 2, 3, 4, 5, 9]  # every pass size of the kernel (1..4 rows of x) and remainders
+ROWS = [1, 2, 3, 4, 5, 9, 17, 33]  # every pass size of the kernel (1..4 rows of x), remainders, and 16-row vectors (Q8_0 from 6 rows)
 SMALL_SHAPES = [(1, 32), (13, 96), (37, 576), (6, 288)]  # (n, k) for blocks of 32: 1, 3, 18, 9 blocks a row (tails of 8)
 K_SHAPES = [(1, 256), (13, 512), (7, 768)]  # super-blocks of 256
 
@@ -40,9 +40,9 @@ SHIM = r"""
 #include "gguf_blocks.h"
 extern "C" int gguf_matmul(int type, const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t n, float* y) {
   if (!radixlm::gguf::supported(type)) return 1;
-  std::vector<float> scratch((radixlm::q4::scratch_bytes(rows, k) + 3) / 4);
+  std::vector<float> scratch((radixlm::gguf::scratch_bytes(rows, k) + 3) / 4);
   uint8_t* s = reinterpret_cast<uint8_t*>(scratch.data());
-  radixlm::q4::quantize_into(x, rows, k, s);
+  radixlm::gguf::quantize_into(x, rows, k, s);
   radixlm::gguf::matmul_rows(type, w, 0, n, s, rows, k, y, n);
   return 0;
 }
@@ -213,6 +213,23 @@ def test_parts_of_mixed_types_fill_their_own_rows(ext):
     y = ext.gguf_linear(x, [b for _, b in parts], [t for t, _ in parts], dense.shape[0])
     alone = torch.cat([ext.gguf_linear(x[i : i + 1], [b for _, b in parts], [t for t, _ in parts], dense.shape[0]) for i in range(6)])
     assert torch.equal(y, alone)
+
+
+def test_q8_0_rows_do_not_depend_on_the_batch_they_came_in(ext):
+    # from 6 rows of x, Q8_0 takes another kernel (16 rows of x a vector): it must sum every row as
+    # the one-row kernel does, for rows of whole chunks of 8 blocks and with a tail, and for a
+    # range of weight rows that does not fill its 4-row tiles
+    for n, k in ((37, 96), (9, 576), (22, 1024)):
+        blocks = random_blocks(Q8_0, n, k, seed=3)
+        dense = dequantize(blocks, Q8_0, k)
+        x = torch.randn(37, k) * 2
+        x[3] = 0
+        y = ext.gguf_linear(x, [blocks], [Q8_0], n)
+        assert_matches(y, x, dense, f"Q8_0 n={n} k={k} m=37")
+        alone = torch.cat([ext.gguf_linear(x[i : i + 1], [blocks], [Q8_0], n) for i in range(x.shape[0])])
+        assert torch.equal(y, alone), f"n={n} k={k}: rows differ by up to {(y - alone).abs().max():.3g} from their own"
+        for m in (6, 16, 20):
+            assert torch.equal(ext.gguf_linear(x[:m], [blocks], [Q8_0], n), alone[:m]), f"n={n} k={k} m={m}"
 
 
 def test_dequantize_rows_equals_gguf_bit_for_bit(ext):

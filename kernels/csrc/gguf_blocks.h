@@ -18,6 +18,8 @@
 // The plain C++ path computes the same sums one sub-block at a time.
 #pragma once
 
+#include <vector>
+
 #include "q4_matmul.h"
 
 namespace radixlm::gguf {
@@ -496,19 +498,21 @@ void row_dots(const uint8_t* row, const int8_t* xq, int64_t k, const float* dx, 
     T::load(row, g0, 8, ch);
     chunk_dots<T, R>(ch, 8, xq, k, dx, xsum, groups, g0, acc, macc);
   }
-  // only blocks of 32 leave a tail (K-quant rows are whole super-blocks): one block at a time,
-  // its 8 lanes scaled as they are (a sum of lanes costs more than the few blocks)
-  float tail_m[R] = {};
-  for (; g0 < groups; ++g0) {
-    T::load(row, g0, 1, ch);
-    const __m256 d0 = _mm256_broadcastss_ps(_mm256_castps256_ps128(ch.d));
-    for (int b = 0; b < R; ++b) {
-      const __m256i s = sub_dot<T>(ch, 0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * k + g0 * kGroup)));
-      acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d0, _mm256_set1_ps(dx[b * groups + g0])), acc[b]);
-      if constexpr (T::kLoadMin) tail_m[b] += _mm256_cvtss_f32(ch.m) * xsum[b * groups + g0];
+  // only blocks of 32 leave a tail (K-quant rows are whole super-blocks): one chunk of fewer than
+  // 8, block g0 + i in lane i as in a whole chunk (so every row sums its blocks in one order:
+  // lane g % 8, then hsum's tree; the interleaved kernel below keeps that order)
+  if (g0 < groups) {
+    const int n = static_cast<int>(groups - g0);
+    T::load(row, g0, n, ch);
+    chunk_dots<T, R>(ch, n, xq, k, dx, xsum, groups, g0, acc, macc);
+  }
+  for (int b = 0; b < R; ++b) {
+    if constexpr (T::kLoadMin) {
+      dot[b] = hsum(_mm256_add_ps(acc[b], macc[b]));
+    } else {
+      dot[b] = hsum(acc[b]);
     }
   }
-  for (int b = 0; b < R; ++b) dot[b] = hsum(_mm256_add_ps(acc[b], macc[b])) + tail_m[b];
 #else
   float acc[R] = {};
   int32_t c[32];
@@ -528,11 +532,250 @@ void row_dots(const uint8_t* row, const int8_t* xq, int64_t k, const float* dx, 
 #endif
 }
 
+// ---- Q8_0 at many rows of x: x interleaved, 16 rows a vector (AVX-512 VNNI builds) ----
+//
+// The kernel above decodes a weight row once per 4 rows of x and sums every chunk across lanes.
+// At 6 or more rows of x, Q8_0 instead multiplies a 16-row vector of x at a time: x's codes are
+// kept interleaved (block g of rows 16v..16v+15: 8 steps of 64 bytes, step j holding each row's
+// codes 4j..4j+3, as unsigned bytes q + 128), so one vpdpbusd multiplies 4 codes of a weight row
+// (broadcast, signed) with 4 codes of each of 16 rows of x. A tile of up to 4 weight rows times
+// 2 such vectors is computed side by side: each weight dword is read once per tile, each x step
+// once per weight row of the tile, and nothing is summed across lanes. The offset of x's codes
+// adds 128 * (the block's code sum) to each dot product, subtracted exactly (the accumulator
+// starts at minus that, worked out once per weight row and block).
+//
+// A row of x gets the same sums in the same order as from row_dots (so its output does not
+// depend on the batch it came in): block g's exact integer dot product s_g, then
+// a[g % 8] = fma(s_g, dw_g * dx_g, a[g % 8]) in increasing g, then hsum's tree over a[0..7].
+
+#if defined(RADIXLM_Q4_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define RADIXLM_GGUF_LANES 1
+#endif
+
+constexpr int64_t kLaneRows = 16;  // rows of x per interleaved vector
+constexpr int64_t kLaneBlockBytes = kLaneRows * kGroup;  // one block of a vector's 16 rows
+constexpr int64_t kLanesMinRows = 6;  // rows of x from which Q8_0 takes the interleaved kernel
+
+// Whether x of ``rows`` rows is also kept interleaved (and Q8_0 multiplied that way).
+inline bool lanes_layout(int64_t rows) {
+#if defined(RADIXLM_GGUF_LANES)
+  return rows >= kLanesMinRows;
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
+inline int64_t lane_vectors(int64_t rows) { return (rows + kLaneRows - 1) / kLaneRows; }
+
+// Bytes of scratch that ``rows`` rows of ``k`` take: q4::scratch_bytes' layout, then (from the
+// next 64-byte boundary) the interleaved codes and their scales where lanes_layout says so.
+inline int64_t scratch_bytes(int64_t rows, int64_t k) {
+  int64_t bytes = q4::scratch_bytes(rows, k);
+  if (lanes_layout(rows)) bytes += 64 + lane_vectors(rows) * (k / kGroup) * (kLaneBlockBytes + kLaneRows * 4);
+  return bytes;
+}
+
+// The interleaved codes (then their scales, [vector][block][16] floats) in scratch.
+inline uint8_t* lanes_data(const uint8_t* scratch, int64_t rows, int64_t k) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(scratch) + static_cast<uintptr_t>(q4::scratch_bytes(rows, k));
+  return reinterpret_cast<uint8_t*>((end + 63) & ~static_cast<uintptr_t>(63));
+}
+
+// x [rows, k] quantized into ``scratch`` (scratch_bytes(rows, k) bytes): q4::quantize_into's
+// codes, scales and sums, and their interleaved copy where lanes_layout says so (rows past the
+// last ones: codes 0, scale 0).
+inline void quantize_into(const float* x, int64_t rows, int64_t k, uint8_t* scratch) {
+  q4::quantize_into(x, rows, k, scratch);
+  if (!lanes_layout(rows)) return;
+  const int64_t groups = k / kGroup, vectors = lane_vectors(rows);
+  const float* dx = reinterpret_cast<const float*>(scratch);
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(dx + 2 * rows * groups);
+  uint8_t* xi = lanes_data(scratch, rows, k);
+  float* dxi = reinterpret_cast<float*>(xi + vectors * groups * kLaneBlockBytes);
+  for (int64_t v = 0; v < vectors; ++v) {
+    for (int64_t lane = 0; lane < kLaneRows; ++lane) {
+      const int64_t b = v * kLaneRows + lane;
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* out = xi + (v * groups + g) * kLaneBlockBytes + lane * 4;
+        float* dout = dxi + (v * groups + g) * kLaneRows + lane;
+        if (b < rows) {
+          const uint8_t* src = xq + b * k + g * kGroup;
+          for (int j = 0; j < 8; ++j) {
+            uint32_t c;
+            std::memcpy(&c, src + 4 * j, 4);
+            c ^= 0x80808080u;  // q + 128 as unsigned bytes
+            std::memcpy(out + j * 64, &c, 4);
+          }
+          *dout = dx[b * groups + g];
+        } else {
+          for (int j = 0; j < 8; ++j) std::memset(out + j * 64, 0x80, 4);
+          *dout = 0.0f;
+        }
+      }
+    }
+  }
+}
+
+#if defined(RADIXLM_GGUF_LANES)
+// For R weight rows of Q8_0 blocks: corr[r * groups + g] = -128 * (block g's code sum) and
+// dw[r * groups + g] = its scale.
+template <int R>
+inline void q8_row_sums(const uint8_t* const* rows, int64_t groups, int64_t ahead, int32_t* corr, float* dw) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int r = 0; r < R; ++r) {
+    const uint8_t* row = rows[r];
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      const uint8_t* b = row + g * Q8_0::kBytes;
+      __builtin_prefetch(b + ahead);
+      __builtin_prefetch(b + ahead + 64);
+      __builtin_prefetch(b + ahead + 128);
+      __builtin_prefetch(b + ahead + 192);
+      __builtin_prefetch(b + ahead + 256);
+      __m256i s[8];
+      for (int i = 0; i < 8; ++i) {
+        s[i] = dot_us(ones, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * Q8_0::kBytes + 2)));
+      }
+      const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum8x8(s), 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + r * groups + g), c);
+      _mm256_storeu_ps(dw + r * groups + g, halves8(b, Q8_0::kBytes, 8));
+    }
+    for (; g < groups; ++g) {
+      const uint8_t* b = row + g * Q8_0::kBytes;
+      int32_t t = 0;
+      for (int j = 0; j < 32; ++j) t += static_cast<int8_t>(b[2 + j]);
+      corr[r * groups + g] = -128 * t;
+      dw[r * groups + g] = half_at(b);
+    }
+  }
+}
+
+// out[(r * P + p) * 16 + lane] = weight row r's product with row 16 (v0 + p) + lane of x.
+template <int R, int P>
+inline void q8_lanes_tile(const uint8_t* const* rows, const int32_t* corr, const float* dw, const uint8_t* xi,
+                          const float* dxi, int64_t groups, int64_t v0, float* out) {
+  alignas(64) float part[8][R][P][kLaneRows];
+  for (int i = 0; i < 8; ++i) {
+    __m512 acc[R][P];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+    }
+    for (int64_t g = i; g < groups; g += 8) {
+      __m512i s[R][P];
+      const uint8_t* wq[R];
+      for (int r = 0; r < R; ++r) {
+        wq[r] = rows[r] + g * Q8_0::kBytes + 2;
+        const __m512i c = _mm512_set1_epi32(corr[r * groups + g]);
+        for (int p = 0; p < P; ++p) s[r][p] = c;
+      }
+      const uint8_t* xg[P];
+      for (int p = 0; p < P; ++p) xg[p] = xi + ((v0 + p) * groups + g) * kLaneBlockBytes;
+      for (int j = 0; j < 8; ++j) {
+        __m512i xv[P];
+        for (int p = 0; p < P; ++p) xv[p] = _mm512_load_si512(reinterpret_cast<const void*>(xg[p] + j * 64));
+        for (int r = 0; r < R; ++r) {
+          const __m512i wv = _mm512_set1_epi32(static_cast<int>(u32_at(wq[r] + 4 * j)));
+          for (int p = 0; p < P; ++p) s[r][p] = _mm512_dpbusd_epi32(s[r][p], xv[p], wv);
+        }
+      }
+      for (int p = 0; p < P; ++p) {
+        const __m512 dxv = _mm512_load_ps(dxi + ((v0 + p) * groups + g) * kLaneRows);
+        for (int r = 0; r < R; ++r) {
+          const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dw[r * groups + g]), dxv);
+          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][p]), scale, acc[r][p]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) _mm512_store_ps(part[i][r][p], acc[r][p]);
+    }
+  }
+  // hsum's tree: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) {
+      __m512 a[8];
+      for (int i = 0; i < 8; ++i) a[i] = _mm512_load_ps(part[i][r][p]);
+      const __m512 even = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
+      const __m512 odd = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
+      _mm512_storeu_ps(out + (r * P + p) * kLaneRows, _mm512_add_ps(even, odd));
+    }
+  }
+}
+
+// matmul_rows_t for Q8_0 from x's interleaved copy.
+inline void q8_matmul_lanes(const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k,
+                            float* y, int64_t ldy) {
+  constexpr int kR = 4, kP = 2;
+  const int64_t groups = k / kGroup, row_bytes = groups * Q8_0::kBytes, vectors = lane_vectors(rows);
+  const uint8_t* xi = lanes_data(scratch, rows, k);
+  const float* dxi = reinterpret_cast<const float*>(xi + vectors * groups * kLaneBlockBytes);
+  // x's vectors in panels that stay in L2 (~256 KB) while every weight row of the range passes
+  int64_t panel = std::max<int64_t>(1, (256 << 10) / (kLaneBlockBytes * groups));
+  if (panel > 1) panel -= panel % kP;
+  std::vector<int32_t> corr(kR * groups);
+  std::vector<float> dw(kR * groups);
+  alignas(64) float out[kR * kP * kLaneRows];
+  for (int64_t v0 = 0; v0 < vectors; v0 += panel) {
+    const int64_t v1 = std::min(vectors, v0 + panel);
+    for (int64_t r0 = begin; r0 < end; r0 += kR) {
+      const int nr = static_cast<int>(std::min<int64_t>(kR, end - r0));
+      const uint8_t* wr[kR];
+      for (int r = 0; r < kR; ++r) wr[r] = w + (r0 + std::min(r, nr - 1)) * row_bytes;
+      const int64_t ahead = kR * row_bytes;  // the next tile's rows
+      switch (nr) {
+        case 1: q8_row_sums<1>(wr, groups, ahead, corr.data(), dw.data()); break;
+        case 2: q8_row_sums<2>(wr, groups, ahead, corr.data(), dw.data()); break;
+        case 3: q8_row_sums<3>(wr, groups, ahead, corr.data(), dw.data()); break;
+        default: q8_row_sums<4>(wr, groups, ahead, corr.data(), dw.data()); break;
+      }
+      for (int64_t v = v0; v < v1; v += kP) {
+        const int np = static_cast<int>(std::min<int64_t>(kP, v1 - v));
+        const int32_t* c = corr.data();
+        const float* d = dw.data();
+        if (np == 2) {
+          switch (nr) {
+            case 1: q8_lanes_tile<1, 2>(wr, c, d, xi, dxi, groups, v, out); break;
+            case 2: q8_lanes_tile<2, 2>(wr, c, d, xi, dxi, groups, v, out); break;
+            case 3: q8_lanes_tile<3, 2>(wr, c, d, xi, dxi, groups, v, out); break;
+            default: q8_lanes_tile<4, 2>(wr, c, d, xi, dxi, groups, v, out); break;
+          }
+        } else {
+          switch (nr) {
+            case 1: q8_lanes_tile<1, 1>(wr, c, d, xi, dxi, groups, v, out); break;
+            case 2: q8_lanes_tile<2, 1>(wr, c, d, xi, dxi, groups, v, out); break;
+            case 3: q8_lanes_tile<3, 1>(wr, c, d, xi, dxi, groups, v, out); break;
+            default: q8_lanes_tile<4, 1>(wr, c, d, xi, dxi, groups, v, out); break;
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          for (int p = 0; p < np; ++p) {
+            for (int64_t lane = 0; lane < kLaneRows; ++lane) {
+              const int64_t b = (v + p) * kLaneRows + lane;
+              if (b < rows) y[b * ldy + r0 + r] = out[(r * np + p) * kLaneRows + lane];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
 // y[b * ldy + r] for weight rows r in [begin, end) of ``w`` (rows of T's blocks) and every row
-// b of x, from x quantized into ``scratch`` by q4::quantize_into.
+// b of x, from x quantized into ``scratch`` by quantize_into above (not q4's: Q8_0 at many rows
+// reads the interleaved copy).
 template <class T>
 void matmul_rows_t(const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k,
                    float* y, int64_t ldy) {
+#if defined(RADIXLM_GGUF_LANES)
+  if constexpr (T::kId == kQ8_0) {
+    if (lanes_layout(rows)) {
+      q8_matmul_lanes(w, begin, end, scratch, rows, k, y, ldy);
+      return;
+    }
+  }
+#endif
   const int64_t groups = k / kGroup, row_bytes = k / T::kWeights * T::kBytes;
   const float* dx = reinterpret_cast<const float*>(scratch);
   const float* xsum = dx + rows * groups;

@@ -53,8 +53,8 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std
   x = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
-  auto scratch = torch::empty({q4::scratch_bytes(m, k)}, x.options().dtype(torch::kUInt8));
-  q4::quantize_into(x.data_ptr<float>(), m, k, scratch.data_ptr<uint8_t>());
+  auto scratch = torch::empty({gguf::scratch_bytes(m, k)}, x.options().dtype(torch::kUInt8));
+  gguf::quantize_into(x.data_ptr<float>(), m, k, scratch.data_ptr<uint8_t>());
   const uint8_t* sp = scratch.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // output rows of all parts in one range, so that threads share a fused projection evenly

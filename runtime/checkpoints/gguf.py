@@ -1,5 +1,9 @@
 """GGUF files: the config from their metadata, tensor names mapped to Hugging Face's, and the
-weights either as stored (quantized blocks, ``GGUFWeight``) or dequantized once into the disk cache."""
+weights either as stored (quantized blocks, ``GGUFWeight``) or dequantized once into the disk cache.
+
+A mixture of experts' merged expert tensors ([experts, rows, columns]) are split into one weight
+per expert and projection, as a Hugging Face checkpoint holds them; a quantized one's rows stay
+the blocks they are (a row of blocks is a row of the matrix)."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -17,8 +21,12 @@ from radixlm.runtime.checkpoints.base import Checkpoint
 from radixlm.runtime.checkpoints.folder import safetensors_tensors
 from radixlm.runtime.checkpoints.gguf_names import (
     ARCHITECTURES,
+    EXPERT_ARCHITECTURES,
     ROPE_PERMUTED,
+    WITH_EXPERTS,
+    gguf_expert_names,
     gguf_to_hf_name,
+    is_router,
     is_shifted_norm,
 )
 from radixlm.runtime.disk_cache import entry_for, write_entry
@@ -66,11 +74,16 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
         return _field(r, f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in r.tensors}
+    experts = int(get("expert_count") or 0)
+    if experts and arch not in EXPERT_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} with experts; radixlm runs experts of {', '.join(sorted(EXPERT_ARCHITECTURES))}")
+    if not experts and arch == "qwen3moe":
+        raise ValueError("GGUF file of architecture 'qwen3moe' without qwen3moe.expert_count")
     hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
     head_dim = get("attention.key_length") or (None if arch == "phi3" else get("rope.dimension_count")) or hidden // heads
     embed = tensors.get("token_embd.weight")
     vocab = int(embed.shape[1]) if embed is not None else get("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
-    hf_class, model_type = ARCHITECTURES[arch]
+    hf_class, model_type = WITH_EXPERTS[arch] if experts and arch in WITH_EXPERTS else ARCHITECTURES[arch]
     cfg: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
@@ -95,15 +108,46 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
     elif arch == "smollm3":  # llama.cpp: every 4th layer without RoPE (a fixed step, no key)
         cfg.update(no_rope_layer_interval=4, no_rope_layers=[int((i + 1) % 4 != 0) for i in range(layers)],
                    use_sliding_window=False, sliding_window=None)  # fmt: skip
-    elif arch == "qwen3":
+    elif arch in ("qwen3", "qwen3moe"):
         cfg.update(use_sliding_window=False, sliding_window=None)
+    if experts:
+        cfg.update(_experts(arch, get, cfg, experts))
     if "hidden_activation" not in cfg:  # Gemma names its GELU so; the rest run SiLU
         cfg["hidden_act"] = "silu"
     if arch in ("phi3", "smollm3"):  # their HF configs derive head_dim (hidden / heads)
         del cfg["head_dim"]
-    if arch == "phi3":  # and Phi-3's has no biases to name
+    if arch == "phi3" or model_type == "mixtral":  # and Phi-3's and Mixtral's have no biases to name
         del cfg["attention_bias"]
+    if model_type == "mixtral" and get("attention.key_length") is None and cfg["head_dim"] == hidden // heads:
+        cfg["head_dim"] = None  # Mixtral's config leaves it unset (the converter then writes no key_length)
     return cfg
+
+
+def _one_for_all_layers(value, key: str) -> int:
+    """A count llama.cpp reads as one value or one per layer (``get_key_or_arr``), which radixlm
+    takes only when every layer has the same."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF key {key} differs between layers ({value}); radixlm takes one value for every layer")
+        value = value[0]
+    return int(value)
+
+
+def _experts(arch: str, get, cfg: dict[str, Any], experts: int) -> dict[str, Any]:
+    """The experts as the HF config names them. llama.cpp routes both architectures by softmax,
+    top k, renormalised (``build_moe_ffn(..., norm_w=true, ...)``), on every layer; Mixtral's
+    experts are ``feed_forward_length`` wide, Qwen3-MoE's ``expert_feed_forward_length`` (else, as
+    llama.cpp, the feed-forward length over the experts used)."""
+    used = get("expert_used_count")
+    if not used:
+        raise ValueError(f"GGUF file of architecture {arch!r} with {experts} experts and no {arch}.expert_used_count")
+    used = _one_for_all_layers(used, f"{arch}.expert_used_count")
+    if arch == "llama":
+        return {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": None}
+    width = get("expert_feed_forward_length")
+    width = cfg["intermediate_size"] // used if width is None else _one_for_all_layers(width, f"{arch}.expert_feed_forward_length")
+    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
 
 
 def _tokens(reader) -> dict[str, Any]:
@@ -200,12 +244,42 @@ def _in_hf_form(name: str, arr: np.ndarray, arch: str, cfg: dict[str, Any]) -> n
     return arr
 
 
-def _weights(path: str, reader) -> tuple[dict[str, Any], str, list[tuple[Any, str]]]:
-    """The file's HF config, its architecture, and each weight tensor with its HF name."""
+class _Weight(NamedTuple):
+    """One Hugging Face tensor's data in a GGUF file: its values, or its rows of blocks."""
+
+    gguf_name: str  # the file's tensor (a merged expert tensor for each of its experts)
+    hf_name: str
+    qtype: Any  # gguf.GGMLQuantizationType
+    data: np.ndarray  # [rows, columns] (float types), [rows, row bytes] (quantized), or 1-D
+    in_features: int
+
+
+def _weights(path: str, reader) -> tuple[dict[str, Any], str, list[_Weight]]:
+    """The file's HF config, its architecture, and each weight under its HF name, merged expert
+    tensors split into one weight per expert and projection (views of the file, not copies)."""
     cfg = gguf_hf_config(path, reader)
     arch = _field(reader, "general.architecture")
-    named = [(t, gguf_to_hf_name(t.name, arch)) for t in reader.tensors]
-    return cfg, arch, [(t, hf) for t, hf in named if hf is not None]
+    weights = []
+    for t in reader.tensors:
+        parts = gguf_expert_names(t.name, arch)
+        if parts is not None:
+            weights.extend(_split_experts(t, parts, cfg.get("num_experts") or cfg.get("num_local_experts") or 0))
+            continue
+        hf = gguf_to_hf_name(t.name, arch)
+        if hf is not None:
+            weights.append(_Weight(t.name, hf, t.tensor_type, t.data, int(t.shape[0])))
+    return cfg, arch, weights
+
+
+def _split_experts(t, parts: tuple[str, ...], experts: int) -> list[_Weight]:
+    """A merged expert tensor (data [experts, rows, columns or row bytes]) as one weight per
+    expert and part (``parts``: HF name formats; several share the rows equally, in order)."""
+    data = t.data
+    if data.ndim != 3 or data.shape[0] != experts or data.shape[1] % len(parts):
+        raise ValueError(f"GGUF tensor {t.name} of shape {tuple(int(n) for n in t.shape)} does not hold {experts} experts' {len(parts)} projection(s)")
+    rows = data.shape[1] // len(parts)
+    return [_Weight(t.name, name.format(expert=e), t.tensor_type, data[e, i * rows : (i + 1) * rows], int(t.shape[0]))
+            for e in range(experts) for i, name in enumerate(parts)]  # fmt: skip
 
 
 def open_gguf(path: str, native: bool = True) -> Checkpoint:
@@ -218,14 +292,14 @@ def open_gguf(path: str, native: bool = True) -> Checkpoint:
     hf_cfg, arch, weights = _weights(path, gguf_reader(path))
     plain: list[tuple[str, torch.Tensor]] = []
     stored: dict[str, GGUFWeight] = {}
-    for t, hf in tqdm(weights, desc="Reading weights", unit="tensor", leave=False):
-        qtype = int(t.tensor_type)
-        if qtype in DENSE_TYPES or is_shifted_norm(t.name, arch):  # a shift needs the values, not the blocks
-            arr = _in_hf_form(t.name, dequantize(t.data, t.tensor_type), arch, hf_cfg)
-            plain.append((hf, torch.from_numpy(np.array(arr, copy=True))))
+    for w in tqdm(weights, desc="Reading weights", unit="tensor", leave=False):
+        # a shift needs the values, not the blocks; a router is a plain parameter (never quantized)
+        if int(w.qtype) in DENSE_TYPES or is_shifted_norm(w.gguf_name, arch) or is_router(w.gguf_name):
+            arr = _in_hf_form(w.gguf_name, dequantize(w.data, w.qtype), arch, hf_cfg)
+            plain.append((w.hf_name, torch.from_numpy(np.array(arr, copy=True))))
         else:
-            blocks = np.array(_in_hf_form(t.name, t.data, arch, hf_cfg), dtype=np.uint8, copy=True)
-            stored[hf] = GGUFWeight(qtype, torch.from_numpy(blocks), int(t.shape[0]))
+            blocks = np.array(_in_hf_form(w.gguf_name, w.data, arch, hf_cfg), dtype=np.uint8, copy=True)
+            stored[w.hf_name] = GGUFWeight(int(w.qtype), torch.from_numpy(blocks), w.in_features)
     return Checkpoint(ModelConfig.from_hf_dict(hf_cfg), lambda: iter(plain), stored, os.path.getsize(path))
 
 
@@ -235,9 +309,9 @@ def _dequantized_tensors(path: str) -> tuple[dict[str, Any], dict[str, torch.Ten
 
     hf_cfg, arch, weights = _weights(path, gguf_reader(path))
     tensors = {}
-    for t, hf in tqdm(weights, desc="Loading weights", unit="tensor", leave=False):
-        arr = _in_hf_form(t.name, dequantize(t.data, t.tensor_type), arch, hf_cfg)
-        tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
+    for w in tqdm(weights, desc="Loading weights", unit="tensor", leave=False):
+        arr = _in_hf_form(w.gguf_name, dequantize(w.data, w.qtype), arch, hf_cfg)
+        tensors[w.hf_name] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
     return hf_cfg, tensors
 
 

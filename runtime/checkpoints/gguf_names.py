@@ -5,6 +5,13 @@ The converter writes q/k rows of the Llama-style architectures in an interleaved
 adds 1 to every Gemma norm weight (Gemma's RMSNorm scales by ``1 + w``), keeps Phi-3's fused
 ``qkv_proj`` and ``gate_up_proj`` whole (``attn_qkv``, ``ffn_up``), and stores Phi-3's longrope
 factors and Llama 3's RoPE frequency factors as tensors (config, not weights, here).
+
+Mixtures of experts (``qwen3moe``; Mixtral, which the converter writes as ``llama`` with an
+``expert_count``) keep the router as ``ffn_gate_inp`` and every expert of a layer in one 3-D tensor
+per projection, ``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps`` ([experts, rows, columns];
+a converter run with ``--fuse-gate-up-exps`` writes ``ffn_gate_up_exps``, gate rows then up rows);
+llama.cpp files from before 2024 hold one tensor per expert (``blk.N.ffn_gate.E.weight``). Hugging
+Face checkpoints hold one tensor per expert: ``gguf_expert_names`` says how a merged one splits.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {  # GGUF architecture -> (HF class,
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("MixtralForCausalLM", "mixtral")}  # files with an expert_count
 ROPE_PERMUTED = frozenset({"llama", "mistral", "smollm3"})  # q/k rows in llama.cpp's interleaved order
 NORM_PLUS_ONE = frozenset({"gemma2", "gemma3"})  # norm weights stored as 1 + w
 
@@ -36,7 +45,8 @@ _ATTENTION = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_LLAMA = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **_ATTENTION, **_MLP}
+_ROUTER = {"ffn_gate_inp": "mlp.gate"}  # [experts, hidden]
+_LLAMA = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", **_ATTENTION, **_MLP, **_ROUTER}
 _GEMMA = {
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -55,8 +65,16 @@ _PHI3 = {
 }
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA,
-    "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3,
+    "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA,
 }  # fmt: skip
+EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe"})  # where a file may hold experts
+# merged expert tensor -> the projections its rows hold, in order (each part an equal share of the rows)
+MERGED_EXPERTS = {
+    "ffn_gate_exps": ("gate_proj",),
+    "ffn_up_exps": ("up_proj",),
+    "ffn_down_exps": ("down_proj",),
+    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
+}
 
 
 def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
@@ -65,12 +83,34 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in _MLP and parts[3].isdigit():  # an older file's expert
+        if arch is not None and arch not in EXPERT_ARCHITECTURES:
+            return None
+        proj = _MLP[parts[2]].removeprefix("mlp.")
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
     if len(parts) != 4 or parts[0] != "blk":
         return None
     for table in [LAYER_NAMES[arch]] if arch is not None else LAYER_NAMES.values():
         if parts[2] in table:
             return f"model.layers.{parts[1]}.{table[parts[2]]}.{parts[3]}"
     return None
+
+
+def gguf_expert_names(name: str, arch: str | None = None) -> tuple[str, ...] | None:
+    """For a merged expert tensor (``blk.N.ffn_gate_exps.weight``: [experts, rows, columns]) the
+    Hugging Face name of each part of expert ``{expert}``'s rows, as a format string (gate_up: the
+    gate's half, then the up's); None for any other tensor."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in MERGED_EXPERTS:
+        return None
+    if arch is not None and arch not in EXPERT_ARCHITECTURES:
+        return None
+    return tuple(f"model.layers.{parts[1]}.mlp.experts.{{expert}}.{proj}.{parts[3]}" for proj in MERGED_EXPERTS[parts[2]])
+
+
+def is_router(name: str) -> bool:
+    """True for a router's weight (``ffn_gate_inp``): loaded as values, never kept as blocks."""
+    return name.endswith(".ffn_gate_inp.weight")
 
 
 def is_shifted_norm(name: str, arch: str) -> bool:

@@ -138,6 +138,9 @@ class ModelRunner:
         """CUDA graphs of the decode step, where they can run: one CUDA device, a backend that captures."""
         if self.device.type != "cuda" or self.args.disable_cuda_graph or self.group is not None or not self.attn_backend.captures_decode:
             return None
+        if self.config.moe is not None:  # routed experts choose their work on the host each step: not capturable
+            logger.info("CUDA graphs off: a mixture-of-experts model runs its decode steps eagerly")
+            return None
         max_bs = min(self.args.cuda_graph_max_bs, self.args.max_running_requests)
         return DecodeGraphs(self.model, self.kv_pool, self.attn_backend, self.pad_write_slot, max_bs, max_seq_len=self.context_len)
 

@@ -1,5 +1,5 @@
-"""Activations of gated MLPs over a fused gate/up projection: SiLU-and-multiply (Llama) and
-tanh-GELU-and-multiply (Gemma)."""
+"""Activations of gated MLPs over a fused gate/up projection: SiLU-and-multiply (Llama),
+tanh-GELU-and-multiply (Gemma) and GPT-OSS's clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ext.gelu_tanh_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's experts: ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate clamped above at
+    ``limit`` and up to ``[-limit, limit]``, of a fused ``[..., 2 * inter]`` output (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -107,8 +107,9 @@ class StackLayer:
 class StackableLayer(Protocol):
     """A decoder layer that the stack can run."""
 
-    def stack_layer(self) -> StackLayer:
-        """This layer's current parts (after quantization replaced any, the replacements)."""
+    def stack_layer(self) -> StackLayer | None:
+        """This layer's current parts (after quantization replaced any, the replacements), or None
+        where the stack cannot run it (a layer of routed experts)."""
 
 
 def stack_weight(module: nn.Module, rows: int) -> StackWeight | None:
@@ -194,6 +195,8 @@ class DecodeStacks:
         if ext is None:
             return None
         layers = [layer.stack_layer() for layer in self.layers]
+        if any(layer is None for layer in layers):
+            return None
         first = layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim)
         stack = ext.DecodeStack(*shape)

@@ -6,8 +6,21 @@ Importing this package imports every family, which registers its architecture na
 
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from radixlm.runtime.models.gpt_oss import GptOssForCausalLM
 from radixlm.runtime.models.llama import LlamaForCausalLM
+from radixlm.runtime.models.mixtral import MixtralForCausalLM
 from radixlm.runtime.models.phi3 import Phi3ForCausalLM
 from radixlm.runtime.models.qwen3 import Qwen3ForCausalLM
+from radixlm.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
-__all__ = ["Gemma2ForCausalLM", "Gemma3ForCausalLM", "LlamaForCausalLM", "ModelConfig", "Phi3ForCausalLM", "Qwen3ForCausalLM"]
+__all__ = [
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "GptOssForCausalLM",
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "ModelConfig",
+    "Phi3ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+]

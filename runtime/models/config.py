@@ -11,12 +11,64 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.layers.moe_router import RouterSpec
 from radixlm.runtime.models.registry import supported_architectures
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's experts: routing, sizes, and which layers have them."""
+
+    router: RouterSpec
+    intermediate_size: int  # each routed expert's
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+    shared_intermediate_size: int = 0  # DeepSeek's shared experts, as one MLP (0: none)
+    expert_bias: bool = False  # GPT-OSS: the experts' projections have biases
+    swiglu_limit: float | None = None  # GPT-OSS: the experts' clamped SwiGLU (clamp limit, sigmoid gain)
+    swiglu_alpha: float = 1.702
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], family: str) -> MoEConfig | None:
+        """The MoE facts of a Hugging Face config (Mixtral, Qwen3-MoE, DeepSeek and GPT-OSS spellings), or None for a dense model."""
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+        if not experts:
+            return None
+        layers = cfg["num_hidden_layers"]
+        top_k = cfg.get("num_experts_per_tok") or cfg.get("experts_per_token")
+        if not top_k:
+            raise ValueError(f"a mixture-of-experts config ({experts} experts) needs num_experts_per_tok")
+        if family.startswith("deepseek"):  # dense first_k_dense_replace layers, then experts every moe_layer_freq layers
+            first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+            sparse = tuple(i >= first and i % freq == 0 for i in range(layers))
+        else:  # Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers; Mixtral, GPT-OSS: every layer
+            step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+            sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
+        v3 = family == "deepseek_v3"  # transformers 5 leaves out V3's scoring_func and topk_method: they are fixed
+        sigmoid = (cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")) == "sigmoid"
+        method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        grouped = method in ("group_limited_greedy", "noaux_tc")
+        router = RouterSpec(
+            num_experts=experts,
+            top_k=top_k,
+            scoring="sigmoid" if sigmoid else "topk_softmax" if family == "gpt_oss" else "softmax",
+            renormalize=family == "mixtral" or (bool(cfg.get("norm_topk_prob")) and family != "deepseek_v2"),
+            n_group=(cfg.get("n_group") or 1) if grouped else 1,
+            topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
+            group_score="top2_sum" if method == "noaux_tc" else "max",
+            scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+            bias=family == "gpt_oss",
+            correction_bias=method == "noaux_tc",
+        )
+        inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+        shared = (cfg.get("n_shared_experts") or 0) * inter
+        if family == "gpt_oss":
+            return cls(router, inter, sparse, shared, True, float(cfg.get("swiglu_limit") or 7.0), float(cfg.get("swiglu_alpha") or 1.702))
+        return cls(router, inter, sparse, shared)
 
 
 @dataclass
 class ModelConfig:
-    """Shapes and hyper-parameters of a dense decoder (every family the registry holds)."""
+    """Shapes and hyper-parameters of a decoder (every family the registry holds)."""
 
     architecture: str
     vocab_size: int
@@ -31,7 +83,8 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_proj_bias: bool = False  # a bias on the attention output projection too (GPT-OSS)
     sliding_window: int | None = None
     layer_types: list[str] | None = None  # per layer: "sliding_attention" or "full_attention"; None: all full
     bos_token_id: int | None = None
@@ -45,6 +98,11 @@ class ModelConfig:
     local_rope_scaling: dict[str, Any] | None = None  # ... and scaling (None: none)
     no_rope_layers: list[int] | None = None  # SmolLM3: 1 where a layer applies RoPE, 0 where it does not
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
+    moe: MoEConfig | None = None  # a mixture of experts: its routing and expert layers
+
+    def sparse(self, layer: int) -> bool:
+        """True where ``layer``'s feed-forward block is routed experts (not a dense MLP)."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def context_length(self) -> int:
@@ -102,6 +160,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=family == "gpt_oss" and bool(cfg.get("attention_bias", True)),
             sliding_window=_sliding_window(cfg),
             layer_types=_layer_types(cfg),
             bos_token_id=cfg.get("bos_token_id"),
@@ -115,6 +174,7 @@ class ModelConfig:
             local_rope_scaling=local_scaling,
             no_rope_layers=list(cfg["no_rope_layers"]) if cfg.get("no_rope_layers") else None,
             partial_rotary_factor=float(_rope_field(global_rope, "partial_rotary_factor", 1.0)),
+            moe=MoEConfig.from_hf_dict(cfg, family),
         )
 
 

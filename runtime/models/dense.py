@@ -20,7 +20,7 @@ One layer, as the two norm layouts compute it (the residual add is fused into th
 
 from __future__ import annotations
 
-import re
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,14 +29,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixlm.runtime.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from radixlm.runtime.layers.activation import clamped_swiglu, gelu_tanh_and_mul, silu_and_mul
 from radixlm.runtime.layers.attention_spec import AttentionSpec
 from radixlm.runtime.layers.decode_stack import DecodeStacks, StackLayer
 from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.moe import MoEBlock
 from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.rope import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.sharding import TPShard, shard_rows
+from radixlm.runtime.models.weight_names import FUSED, module_of, target_of
 
 if TYPE_CHECKING:
     from radixlm.runtime.distributed.group import TPGroup
@@ -76,7 +78,7 @@ class DenseAttention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if arch.sinks else None
@@ -109,9 +111,7 @@ class DenseMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
-        if cfg.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; radixlm runs {sorted(ACTIVATIONS)}")
-        self.activation, self.act_fn = ACTIVATIONS[cfg.hidden_act]
+        self.activation, self.act_fn = _activation(cfg)
         inter = cfg.intermediate_size if shard is None else shard.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
@@ -134,7 +134,7 @@ class DenseDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)  # Gemma: on the attention output; else: before the MLP
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps) if arch.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(hidden, eps) if arch.sandwich_norms else None
-        self.mlp = DenseMLP(cfg, shard, group)
+        self.mlp = moe_block(cfg, shard, group) if cfg.sparse(layer_id) else DenseMLP(cfg, shard, group)
 
     def forward(self, ropes: list[RopeTable], x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """One block on the previous block's output and the residual stream (None for the first
@@ -150,9 +150,11 @@ class DenseDecoderLayer(nn.Module):
         residual, h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(attn), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
-    def stack_layer(self) -> StackLayer:
-        """This layer's parts, as the fused C++ decode stack reads them."""
+    def stack_layer(self) -> StackLayer | None:
+        """This layer's parts, as the fused C++ decode stack reads them (None: it has no stack form, as routed experts)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, DenseMLP):
+            return None
         sandwich = self.pre_feedforward_layernorm is not None
         return StackLayer(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm, attn.qkv_proj, attn.o_proj,
@@ -161,6 +163,26 @@ class DenseDecoderLayer(nn.Module):
             attn_out_norm=self.post_attention_layernorm if sandwich else None,
             mlp_out_norm=self.post_feedforward_layernorm, activation=mlp.activation,
         )  # fmt: skip
+
+
+def moe_block(cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> MoEBlock:
+    """The routed experts (and shared experts) of a sparse layer of ``cfg``, at this rank's slice."""
+    moe = cfg.moe
+    if moe.swiglu_limit is not None:
+        act_fn = functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
+    else:
+        act_fn = _activation(cfg)[1]
+    if shard is None:
+        return MoEBlock(cfg.hidden_size, moe.router, moe.intermediate_size, act_fn, moe.shared_intermediate_size, bias=moe.expert_bias)
+    inter, shared = shard.expert_intermediate_size, shard.shared_intermediate_size
+    return MoEBlock(cfg.hidden_size, moe.router, inter, act_fn, shared, group, bias=moe.expert_bias)
+
+
+def _activation(cfg: ModelConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The config's MLP activation: the decode stack's name for it and the function."""
+    if cfg.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; radixlm runs {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[cfg.hidden_act]
 
 
 def rope_table_of(cfg: ModelConfig, layer: int) -> int | None:
@@ -278,7 +300,7 @@ class DenseForCausalLM(nn.Module):
                 if name.endswith(".bias") and not source[:].any():
                     continue  # GPTQ writers save a zero bias for every quantized layer
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            tensor = _take(source, None if shard is None else shard_rows(shard, cfg, module_of(name)))
+            tensor = _take(source, None if shard is None else shard_rows(shard, cfg, module_of(name)), shard)
             param = params[target]
             dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
             if dst.shape != tensor.shape:
@@ -287,48 +309,33 @@ class DenseForCausalLM(nn.Module):
             loaded.add(target if offset is None else f"{target}@{offset}")
         self._check_complete(params, loaded)
 
-    def _qkv_sizes(self) -> list[int]:
-        attn = self.layers[0].self_attn
-        return [attn.q_size, attn.kv_size, attn.kv_size]
-
-    def _intermediate_size(self) -> int:
-        return self.config.intermediate_size if self.shard is None else self.shard.intermediate_size
-
     def weight_target(self, name: str) -> tuple[str | None, int | None]:
         """Where the checkpoint tensor ``name`` goes: this model's parameter and the row it starts
         at within a fused one (None), or ``(None, None)`` for a tensor the model does not keep."""
-        qkv_sizes, inter = self._qkv_sizes(), self._intermediate_size()
-        if "rotary_emb" in name:
-            return None, None
         if name == "lm_head.weight" and self.lm_head is None:
             return None, None  # tied to the embedding
-        if name in ("model.embed_tokens.weight", "model.norm.weight"):
-            return name.removeprefix("model."), None
-        if name == "lm_head.weight":
-            return name, None
-        sinks = _SINKS_NAME.match(name)
-        if sinks:
-            return f"layers.{sinks.group(1)}.self_attn.sinks", None
-        m = _LAYER_NAME.match(name)
-        if not m:
-            return name, None
-        layer, module, kind = m.groups()
-        if module in _FUSED:
-            fused, part = _FUSED[module]
-            sizes = qkv_sizes if fused.endswith("qkv_proj") else [inter, inter]
-            return f"layers.{layer}.{fused}.{kind}", sum(sizes[:part])
-        if module in _ALREADY_FUSED:  # stored whole by the checkpoint (Phi-3); plain tensors are split first
-            return f"layers.{layer}.{module}.{kind}", 0
-        return f"layers.{layer}.{module}.{kind}", None
+        target = target_of(name)
+        if target is None:
+            return None, None
+        if target.part is None:
+            return target.param, (0 if target.module.endswith(FUSED) else None)
+        return target.param, sum(self._part_sizes(target.module)[: target.part])
+
+    def _part_sizes(self, fused: str) -> list[int]:
+        """The row counts of a fused projection's parts: q, k, v or gate, up."""
+        if fused.endswith("qkv_proj"):
+            attn = self.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        rows = self.get_submodule(fused).out_features
+        return [rows // 2, rows // 2]
 
     def _check_complete(self, params: dict, loaded: set[str]) -> None:
-        qkv_sizes = self._qkv_sizes()
         missing = []
         for name in params:
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                offsets = [sum(qkv_sizes[:i]) for i in range(3)]
-            elif name.endswith("gate_up_proj.weight"):
-                offsets = [0, self._intermediate_size()]
+            module, _, kind = name.rpartition(".")
+            if module.endswith(FUSED) and kind in ("weight", "bias"):
+                sizes = self._part_sizes(module)
+                offsets = [sum(sizes[:i]) for i in range(len(sizes))]
             else:
                 offsets = [None]
             for off in offsets:
@@ -347,36 +354,15 @@ def _rotary(cfg: ModelConfig, theta: float, scaling: dict | None) -> RotaryEmbed
     return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, rotary_dim=rotary_dim)
 
 
-# ------------------------------------------------ checkpoint names → this model's parameters
-# Hugging Face parameter names → (our parameter, part index within a fused parameter).
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-}
-_ALREADY_FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
-_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_SINKS_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.sinks$")
+def _take(source, rows: tuple[int, int, int] | None, shard: TPShard | None = None) -> torch.Tensor:
+    """The part of a checkpoint tensor (a tensor or a lazy safetensors slice) this rank keeps.
 
-
-def module_of(hf_name: str) -> str:
-    """``model.layers.3.mlp.down_proj.weight`` → ``mlp.down_proj``; ``model.embed_tokens.weight`` → ``embed_tokens``;
-    ``model.layers.3.self_attn.sinks`` → ``self_attn.sinks``."""
-    if _SINKS_NAME.match(hf_name):
-        return "self_attn.sinks"
-    m = _LAYER_NAME.match(hf_name)
-    if m:
-        return m.group(2)
-    return hf_name.removeprefix("model.").rsplit(".", 1)[0]
-
-
-def _take(source, rows: tuple[int, int, int] | None) -> torch.Tensor:
-    """The part of a checkpoint tensor (a tensor or a lazy safetensors slice) this rank keeps."""
+    A row-parallel projection's bias is added once to the sum of the ranks' partial outputs:
+    rank 0 keeps it, the others hold zeros."""
     if rows is None:
         return source[:]
     dim, start, stop = rows
     if dim == 1 and len(source.get_shape() if hasattr(source, "get_shape") else source.shape) == 1:
-        raise ValueError("tensor parallelism cannot split a row-parallel projection's bias")
+        bias = source[:]
+        return bias if shard is None or shard.rank == 0 else torch.zeros_like(bias)
     return source[start:stop] if dim == 0 else source[:, start:stop]

@@ -16,10 +16,18 @@ Query heads go with their KV head, so every rank keeps grouped-query attention's
 
 Slices of the intermediate size are whole multiples of 32 where it allows, so the row-parallel
 down projection can still be quantized to int4 (groups of 32 inputs).
+
+Mixture-of-experts layers split the same way inside every expert: each rank keeps a slice of
+each routed expert's intermediate size (and of the shared experts'), so every rank runs every
+chosen expert on a slice and one all-reduce sums the block. The alternative, whole experts per
+rank, reads fewer, larger matrices but leaves ranks idle when a batch's tokens choose experts
+on one rank; at batch 1 (k of E experts chosen) it would put all of a token's work on at most k
+ranks. The router is whole on every rank, so all ranks choose the same experts.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +35,7 @@ if TYPE_CHECKING:
     from radixlm.runtime.models.config import ModelConfig
 
 QUANT_GROUP = 32
+_MLP_PART = re.compile(r"^(mlp|mlp\.shared_experts|mlp\.experts\.\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,18 @@ class TPShard:
     intermediate: tuple[int, int]
     vocab: tuple[int, int]
     vocab_per_rank: int  # width every rank's logits are padded to before they are gathered
+    expert_intermediate: tuple[int, int] = (0, 0)  # each routed expert's rows on this rank (MoE models)
+    shared_intermediate: tuple[int, int] = (0, 0)  # the shared experts' rows on this rank
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Rows of each routed expert's gate (and up) projection on this rank."""
+        return self.expert_intermediate[1] - self.expert_intermediate[0]
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Rows of the shared experts' gate (and up) projection on this rank."""
+        return self.shared_intermediate[1] - self.shared_intermediate[0]
 
     @property
     def num_heads(self) -> int:
@@ -93,13 +114,21 @@ def plan_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
         kv_range = (k, k + 1)
         first = k * group + (rank % replicas) * per
         head_range = (first, first + per)
-    inter = cfg.intermediate_size
-    unit = QUANT_GROUP if inter % QUANT_GROUP == 0 and inter // QUANT_GROUP >= size else 1
-    if inter < size:
-        raise ValueError(f"tp_size {size} is larger than the intermediate size {inter}")
     per_rank = -(-cfg.vocab_size // size)
     vocab = (min(rank * per_rank, cfg.vocab_size), min((rank + 1) * per_rank, cfg.vocab_size))
-    return TPShard(rank, size, head_range, kv_range, _split(inter, size, rank, unit), vocab, per_rank)
+    moe = cfg.moe
+    experts = (0, 0) if moe is None else _split_rows(moe.intermediate_size, size, rank, "moe_intermediate_size")
+    shared = (0, 0) if moe is None or not moe.shared_intermediate_size else _split_rows(moe.shared_intermediate_size, size, rank, "the shared experts' intermediate size")
+    inter = _split_rows(cfg.intermediate_size, size, rank, "intermediate size")
+    return TPShard(rank, size, head_range, kv_range, inter, vocab, per_rank, experts, shared)
+
+
+def _split_rows(rows: int, size: int, rank: int, what: str) -> tuple[int, int]:
+    """Rank ``rank``'s slice of an MLP's ``rows`` intermediate rows (whole quantization groups where they allow)."""
+    if rows < size:
+        raise ValueError(f"tp_size {size} is larger than the {what} {rows}")
+    unit = QUANT_GROUP if rows % QUANT_GROUP == 0 and rows // QUANT_GROUP >= size else 1
+    return _split(rows, size, rank, unit)
 
 
 def shard_rows(shard: TPShard, cfg: ModelConfig, hf_module: str) -> tuple[int, int, int] | None:
@@ -117,10 +146,11 @@ def shard_rows(shard: TPShard, cfg: ModelConfig, hf_module: str) -> tuple[int, i
         return 0, *shard.heads
     if hf_module == "self_attn.o_proj":
         return 1, shard.heads[0] * d, shard.heads[1] * d
-    if hf_module in ("mlp.gate_proj", "mlp.up_proj"):
-        return 0, *shard.intermediate
-    if hf_module == "mlp.down_proj":
-        return 1, *shard.intermediate
+    mlp = _MLP_PART.match(hf_module)
+    if mlp:
+        owner, part = mlp.groups()
+        rows = shard.intermediate if owner == "mlp" else shard.shared_intermediate if owner.endswith("shared_experts") else shard.expert_intermediate
+        return (1, *rows) if part == "down_proj" else (0, *rows)
     if hf_module in ("embed_tokens", "lm_head"):
         return 0, *shard.vocab
     return None

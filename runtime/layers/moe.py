@@ -1,0 +1,94 @@
+"""A mixture-of-experts feed-forward block: a router, routed experts run grouped, shared experts.
+
+Each token's hidden state goes to the k experts its router picks (``moe_router``); the block's
+output is the routing-weighted sum of those experts' gated MLPs, plus the shared experts' MLP
+where the family has them (DeepSeek). The routed experts run **grouped**: the (token, expert)
+pairs are sorted by expert, and each expert that received tokens multiplies all of its rows in
+one call of its own layers; an expert no token chose is not touched, so a decode step reads only
+the chosen experts' weights (the reason an MoE decodes faster than a dense model of its size).
+
+Every expert is a ``nn.Linear`` pair (fused gate/up, then down), so weight quantization
+(``--quantization``), stored checkpoint formats and the CPU kernels apply to experts as to any
+linear layer; the router's weight is a plain parameter and stays unquantized. Under tensor
+parallelism each rank holds a slice of every expert's intermediate size (and of the shared
+experts'), and the block's partial output is all-reduced once.
+
+The sum over experts runs in ascending expert order, each expert's contribution added with one
+``index_add_``: the order transformers adds them in, so outputs agree to the bit on fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from radixlm.runtime.layers.moe_router import Router, RouterSpec
+
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed.group import TPGroup
+
+Activation = Callable[[torch.Tensor], torch.Tensor]  # fused [.., 2 * inter] gate/up -> [.., inter]
+
+
+class ExpertMLP(nn.Module):
+    """One expert: a gated MLP with a fused gate/up projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act_fn: Activation, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate) * up, projected back to the hidden size."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """``sum_j weights[t, j] * experts[ids[t, j]](x[t])`` for every token ``t``, each expert's tokens in one call."""
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    rows_of = order // k
+    scale = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in zip(experts, counts):
+        if count == 0:
+            continue
+        rows = rows_of[start : start + count]
+        out.index_add_(0, rows, expert(x.index_select(0, rows)) * scale[start : start + count])
+        start += count
+    return out
+
+
+class MoEBlock(nn.Module):
+    """Routed experts (and shared experts, where the family has them) in place of a dense MLP."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        router: RouterSpec,
+        intermediate_size: int,
+        act_fn: Activation,
+        shared_intermediate_size: int = 0,
+        group: TPGroup | None = None,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.router = Router(hidden_size, router)
+        self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size, act_fn, bias) for _ in range(router.num_experts))
+        self.shared_experts = ExpertMLP(hidden_size, shared_intermediate_size, act_fn) if shared_intermediate_size else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each token of ``x`` ``[T, hidden]`` (plus the shared experts')."""
+        weights, ids = self.router(x)
+        out = run_experts(x, weights, ids, self.experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out if self.group is None else self.group.all_reduce(out)
