@@ -61,9 +61,10 @@ class MoEConfig:
         )
         inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
         shared = (cfg.get("n_shared_experts") or 0) * inter
-        if family == "gpt_oss":
-            return cls(router, inter, sparse, shared, True, float(cfg.get("swiglu_limit") or 7.0), float(cfg.get("swiglu_alpha") or 1.702))
-        return cls(router, inter, sparse, shared)
+        if family != "gpt_oss":
+            return cls(router, inter, sparse, shared)
+        limit, alpha = float(cfg.get("swiglu_limit") or 7.0), float(cfg.get("swiglu_alpha") or 1.702)
+        return cls(router, inter, sparse, shared, expert_bias=True, swiglu_limit=limit, swiglu_alpha=alpha)
 
 
 @dataclass
