@@ -1,15 +1,33 @@
 """Pre-quantized checkpoints served as stored, against llama.cpp on the same GGUF files.
 
-For each GGUF file (the embedded SmolLM2 Q4_1, and the same weights re-quantized by llama.cpp's
-``llama-quantize`` to Q4_K_M, Q8_0 and Q4_0), in a fresh process each: load time, resident
-memory added by loading, the bytes the served weights take (``weight_bytes``), batch-1 decode
-tok/s (128 tokens) and batch-32 decode tok/s (32 requests of 64 tokens at once); then teacher-
-forced agreement with the same file dequantized to fp32 (``--quantization none``): how often the
-top next token is fp32's. llama.cpp's ``llama-server`` runs the same file with the same threads:
-resident memory after load, batch-1 and batch-32 decode tok/s (``--parallel 32``).
+Two models:
+
+- ``smollm2``: the embedded SmolLM2-135M-Instruct Q4_1 file, and the same weights re-quantized by
+  llama.cpp's ``llama-quantize --allow-requantize`` to Q4_K_M, Q8_0 and Q4_0. No fp32 original
+  ships with it, so each file's reference is the file itself dequantized to fp32 (radixlm's
+  ``--quantization none``).
+- ``llama``: a Llama-3.2-1B-shaped model (all 16 layers, vocab 128256, tied embeddings) with
+  random weights, built by transformers' own classes (``families.py``'s ``llama`` entry) and saved
+  as fp32 safetensors; llama.cpp's converter writes it as an f16 GGUF, ``llama-quantize`` makes
+  Q4_K_M, Q8_0 and Q4_0 from that, and ``AWQ`` is the same weights as an AutoAWQ GEMM folder
+  (round-to-nearest int4, group 128, zero points; llama.cpp does not read it). The reference is
+  the fp32 folder.
+
+For each file, in a fresh process: load time, resident memory added by loading, the bytes the
+served weights take (``weight_bytes``), batch-1 decode tok/s (128 tokens) and batch-32 decode
+tok/s (32 requests of 64 tokens at once). llama.cpp's ``llama-server`` runs the same file with the
+same threads: resident memory after load, batch-1 and batch-32 (``--parallel 32``) decode tok/s.
+Then teacher-forced top-1 agreement with the reference: the reference's greedy continuations of
+4 prompts (48 tokens) are scored by every system, and each position after the first counts when
+the system's top next token is the reference's (llama.cpp: one greedy 1-token request per prefix,
+``return_tokens``).
 
     make bench-peers   # builds llama.cpp's llama-server and llama-quantize once
-    .venv/bin/python benchmarks/checkpoints.py [--threads 2] [--out benchmarks/results/checkpoints.md]
+    cd /tmp && /work/main/.venv/bin/python /work/main/benchmarks/checkpoints.py \
+        [--models smollm2,llama] [--threads 2] [--out /work/main/benchmarks/results/checkpoints.md]
+
+Run it from outside the repository (as above) when the ``llama`` model is built: from the root,
+``./kernels`` shadows the package of that name transformers probes for.
 """
 
 from __future__ import annotations
@@ -18,33 +36,102 @@ import argparse
 import concurrent.futures
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # the test-side AWQ packer
+from families import child, convert  # noqa: E402
 from peers.servers import LLAMA_SERVER, PEERS_DIR, free_port  # noqa: E402
 from report import machine, write  # noqa: E402
 
 QUANTIZE = LLAMA_SERVER.parent / "llama-quantize"
-TYPES = ["Q4_1", "Q4_K_M", "Q8_0", "Q4_0"]
-PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few tokens: decode dominates
-AGREEMENT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time"]
+WORK = PEERS_DIR / "checkpoints"
+GGUF_TYPES = {"smollm2": ["Q4_1", "Q4_K_M", "Q8_0", "Q4_0"], "llama": ["Q4_K_M", "Q8_0", "Q4_0", "AWQ"]}
+LABELS = {"smollm2": "SmolLM2-135M", "llama": "Llama-3.2-1B-shaped (random)"}
+PROMPT = [1, 304, 312, 298, 301, 307]  # a few in-vocabulary tokens of both tokenizers: decode dominates
+AGREEMENT_TOKENS = 48
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time"]
 
 
-def checkpoint(qtype: str) -> Path:
-    """The SmolLM2 GGUF file of ``qtype`` (the embedded Q4_1, or made from it by llama-quantize)."""
-    from radixlm.runtime.loader import default_model_path
+@dataclass
+class Subject:
+    """One file served: the model it is a form of, its type, where it is, and what it is scored against."""
 
-    source = Path(default_model_path())
-    if qtype == "Q4_1":
-        return source
-    out = PEERS_DIR / "checkpoints" / f"SmolLM2-135M-Instruct.{qtype}.gguf"
+    model: str
+    qtype: str
+    path: Path
+    reference: Path  # fp32 reference: an HF folder, or a GGUF file run with quantization none
+    gguf: bool = True
+
+
+# ---------------------------------------------------------------- the files
+
+
+def quantize(source: Path, out: Path, qtype: str) -> Path:
+    """``source`` (GGUF) as ``qtype`` by llama-quantize, made once."""
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([str(QUANTIZE), "--allow-requantize", str(source), str(out), qtype], check=True, capture_output=True)
     return out
+
+
+def smollm2_subjects(types: list[str]) -> list[Subject]:
+    """The embedded Q4_1 file and its re-quantizations; each file is its own reference."""
+    from radixlm.runtime.loader import default_model_path
+
+    source = Path(default_model_path())
+    subjects = []
+    for qtype in types:
+        path = source if qtype == "Q4_1" else quantize(source, WORK / f"SmolLM2-135M-Instruct.{qtype}.gguf", qtype)
+        subjects.append(Subject("smollm2", qtype, path, path))
+    return subjects
+
+
+def write_awq(folder: Path, out: Path) -> None:
+    """The fp32 folder's attention and MLP weights as AutoAWQ GEMM int4 (RTN, group 128, zero points)."""
+    from quantized_checkpoints import awq_tensors, int4_groups, write_quantized
+
+    def awq(name: str, w):
+        q = int4_groups(w, 128, sym=False)
+        return awq_tensors(name.removesuffix(".weight"), q), q.codes[:0]  # the dense copy is not needed
+
+    scratch = out.parent / (out.name + ".dense-unused")
+    qconfig = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    write_quantized(str(folder), out, scratch, awq, qconfig)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def llama_subjects(types: list[str], threads: int) -> list[Subject]:
+    """The Llama-3.2-1B-shaped random model's files (built once under WORK); the fp32 folder is the reference."""
+    folder, f16 = WORK / "llama-1b-fp32", WORK / "llama-1b.f16.gguf"
+    if not (folder / "config.json").is_file():
+        child("build", 3600, family="llama", quick=False, folder=str(folder), threads=threads)
+    if not f16.is_file():
+        convert(folder, f16, "f16")
+    subjects = []
+    for qtype in types:
+        if qtype == "AWQ":
+            awq = WORK / "llama-1b-awq"
+            if not (awq / "config.json").is_file():
+                write_awq(folder, awq)
+            subjects.append(Subject("llama", qtype, awq, folder, gguf=False))
+        else:
+            subjects.append(Subject("llama", qtype, quantize(f16, WORK / f"llama-1b.{qtype}.gguf", qtype), folder))
+    return subjects
+
+
+def size_of(path: Path) -> int:
+    """Bytes of a file, or of a folder's safetensors."""
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+# ---------------------------------------------------------------- radixlm
 
 
 def rss() -> int:
@@ -67,7 +154,8 @@ def measure_one(path: str, threads: int) -> dict:
     start = time.perf_counter()
     engine.generate(input_ids=PROMPT, sampling_params=params)
     batch1 = 128 / (time.perf_counter() - start)
-    prompts = [PROMPT + [100 + i] for i in range(32)]
+    prompts = [PROMPT + [300 + i] for i in range(32)]
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 64})
     batch32 = 32 * 64 / (time.perf_counter() - start)
@@ -76,26 +164,52 @@ def measure_one(path: str, threads: int) -> dict:
     return result
 
 
-def agreement(path: str, threads: int) -> float:
-    """Teacher-forced top-1 agreement of the file as stored with the file dequantized to fp32."""
+def agreement_prompts(model: str, tokenizer) -> list[list[int]]:
+    """The prompts scored: SmolLM2's four texts, or four 8-token prompts inside the random model's tokenizer."""
+    if model == "smollm2":
+        return [tokenizer(text).input_ids for text in SMOLLM2_PROMPTS]
+    rng = random.Random(0)
+    return [[1] + [rng.randrange(3, 400) for _ in range(7)] for _ in range(4)]
+
+
+def tops(engine, seq: list[int]) -> list[int]:
+    """The engine's top next token after every prefix ``seq[:j]``, j >= 1 (one teacher-forced pass)."""
     from quant_quality import scored
 
+    return [top for _, top in scored(engine, seq)]
+
+
+def reference(subject: Subject, threads: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The reference's greedy continuations of the prompts, and its top tokens along them."""
     import radixlm
 
-    seqs = []
-    with radixlm.Engine(model_path=path, num_threads=threads, disable_radix_cache=True) as native:
-        for text in AGREEMENT_PROMPTS:
-            out = native.generate(text, {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True})
-            seqs.append(native.tokenizer(text).input_ids + out["output_ids"])
-        tops_native = [[top for _, top in scored(native, s)] for s in seqs]
-    with radixlm.Engine(model_path=path, num_threads=threads, disable_radix_cache=True, quantization="none") as dense:
-        tops_dense = [[top for _, top in scored(dense, s)] for s in seqs]
-    pairs = [(a, b) for x, y in zip(tops_native, tops_dense) for a, b in zip(x, y)]
+    with radixlm.Engine(model_path=str(subject.reference), num_threads=threads, disable_radix_cache=True, quantization="none" if subject.reference.is_file() else None) as ref:
+        seqs = []
+        for prompt in agreement_prompts(subject.model, ref.tokenizer):
+            out = ref.generate(input_ids=prompt, sampling_params={"max_new_tokens": AGREEMENT_TOKENS, "temperature": 0, "ignore_eos": True})
+            seqs.append(prompt + out["output_ids"])
+        return seqs, [tops(ref, s) for s in seqs]
+
+
+def radixlm_tops(subject: Subject, seqs: list[list[int]], threads: int) -> list[list[int]]:
+    """radixlm's top tokens along ``seqs`` with the file as stored."""
+    import radixlm
+
+    with radixlm.Engine(model_path=str(subject.path), num_threads=threads, disable_radix_cache=True) as eng:
+        return [tops(eng, s) for s in seqs]
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
+    """The share of positions where the two top tokens are the same."""
+    pairs = [(a, b) for x, y in zip(ours, ref) for a, b in zip(x, y)]
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
-def llama_cpp(path: Path, threads: int) -> dict:
-    """llama-server on ``path``: resident memory after load, batch-1 and batch-32 decode tok/s."""
+# ---------------------------------------------------------------- llama.cpp
+
+
+def llama_cpp(path: Path, threads: int, seqs: list[list[int]]) -> dict:
+    """llama-server on ``path``: resident memory after load, batch-1 and batch-32 decode tok/s, top tokens along ``seqs``."""
     import httpx
 
     port = free_port()
@@ -104,12 +218,15 @@ def llama_cpp(path: Path, threads: int) -> dict:
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server on {path.name} did not become healthy (exit {proc.returncode})")
             try:
                 if httpx.get(base + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
         resident = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if line.startswith("VmRSS"))
         body = {"prompt": PROMPT, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
         with httpx.Client(timeout=600) as client:
@@ -117,53 +234,74 @@ def llama_cpp(path: Path, threads: int) -> dict:
             batch1 = client.post(base + "/completion", json=body).json()["timings"]["predicted_per_second"]
 
             def one(i: int) -> None:
-                client.post(base + "/completion", json={**body, "prompt": PROMPT + [100 + i], "n_predict": 64})
+                client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": 64})
 
-            start = time.perf_counter()
             with concurrent.futures.ThreadPoolExecutor(32) as pool:
+                list(pool.map(lambda i: client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": 4}), range(32)))
+                start = time.perf_counter()
                 list(pool.map(one, range(32)))
             batch32 = 32 * 64 / (time.perf_counter() - start)
-        return {"rss": resident, "batch1": batch1, "batch32": batch32}
+            greedy = {"n_predict": 1, "temperature": 0, "cache_prompt": True, "return_tokens": True}
+            top = [[client.post(base + "/completion", json={**greedy, "prompt": s[:j]}).json()["tokens"][0] for j in range(1, len(s))] for s in seqs]
+        return {"rss": resident, "batch1": batch1, "batch32": batch32, "tops": top}
     finally:
         proc.terminate()
         proc.wait(30)
 
 
+# ---------------------------------------------------------------- the run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--types", nargs="+", default=TYPES)
+    ap.add_argument("--models", default="smollm2,llama")
+    ap.add_argument("--types", default=None, help="comma-separated: only these types of each model")
     ap.add_argument("--out", default=None)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child: measure one file, print JSON
     args = ap.parse_args()
     if args.one:
         print(json.dumps(measure_one(args.one, args.threads)))
         return
-    mib = 2**20
+    mib, start = 2**20, time.perf_counter()
     rows = [
-        "| file | size MiB | radixlm load s | radixlm weights MiB | radixlm RSS added MiB | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp | batch-32 tok/s radixlm / llama.cpp | top-1 agreement with fp32 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm RSS added MiB | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp | batch-32 tok/s radixlm / llama.cpp | top-1 agreement with fp32 radixlm / llama.cpp |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for qtype in args.types:
-        path = checkpoint(qtype)
-        child = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads)], capture_output=True, text=True, check=True)
-        ours = json.loads(child.stdout.strip().splitlines()[-1])
-        peer = llama_cpp(path, args.threads) if LLAMA_SERVER.is_file() else None
-        agree = agreement(str(path), args.threads)
-        peer_cols = [f"{peer['rss'] / mib:.0f}", f"{ours['batch1']:.1f} / {peer['batch1']:.1f}", f"{ours['batch32']:.1f} / {peer['batch32']:.1f}"] if peer else ["n/a", f"{ours['batch1']:.1f} / n/a", f"{ours['batch32']:.1f} / n/a"]
-        rows.append(f"| SmolLM2-135M {qtype} | {path.stat().st_size / mib:.0f} | {ours['load_s']:.1f} | {ours['weight_bytes'] / mib:.0f} | {ours['rss_added'] / mib:.0f} | {peer_cols[0]} | {peer_cols[1]} | {peer_cols[2]} | {agree:.3f} |")
-        print(rows[-1], flush=True)
+    for model in args.models.split(","):
+        types = [t for t in GGUF_TYPES[model] if not args.types or t in args.types.split(",")]
+        subjects = smollm2_subjects(types) if model == "smollm2" else llama_subjects(types, args.threads)
+        refs: dict[Path, tuple] = {}
+        for s in subjects:
+            if s.reference not in refs:
+                refs[s.reference] = reference(s, args.threads)
+            seqs, ref_tops = refs[s.reference]
+            proc = subprocess.run([sys.executable, __file__, "--one", str(s.path), "--threads", str(args.threads)], capture_output=True, text=True, cwd=PEERS_DIR)
+            if proc.returncode != 0:
+                raise RuntimeError(f"radixlm on {s.path.name}: {proc.stderr[-2000:]}")
+            ours = json.loads(proc.stdout.strip().splitlines()[-1])
+            peer = llama_cpp(s.path, args.threads, seqs) if s.gguf and LLAMA_SERVER.is_file() else None
+            agree = agreement(radixlm_tops(s, seqs, args.threads), ref_tops)
+            if peer:
+                cols = [f"{peer['rss'] / mib:.0f}", f"{ours['batch1']:.1f} / {peer['batch1']:.1f}", f"{ours['batch32']:.1f} / {peer['batch32']:.1f}", f"{agree:.3f} / {agreement(peer['tops'], ref_tops):.3f}"]
+            else:
+                cols = ["n/a", f"{ours['batch1']:.1f} / n/a", f"{ours['batch32']:.1f} / n/a", f"{agree:.3f} / n/a"]
+            rows.append(f"| {LABELS[model]} | {s.qtype} | {size_of(s.path) / mib:.0f} | {ours['load_s']:.1f} | {ours['weight_bytes'] / mib:.0f} | {ours['rss_added'] / mib:.0f} | " + " | ".join(cols) + " |")
+            print(rows[-1], flush=True)
     text = "\n".join([
         "# Pre-quantized checkpoints as stored, against llama.cpp",
         "",
-        f"Machine: {machine()}; {args.threads} threads for both; run side by side in one session.",
+        f"Machine: {machine()}; {args.threads} threads for both; run side by side in one session ({(time.perf_counter() - start) / 60:.0f} min).",
         f"Command: `{' '.join(sys.argv)}`",
         "",
         *rows,
         "",
         "RSS added: resident memory a fresh process gained while the engine loaded (weights, KV pool of 8192 tokens, allocator);",
         "llama.cpp RSS: llama-server's whole resident memory after load (its weights are mmapped from the file).",
-        "Agreement: teacher-forced, over 4 prompts and their 48-token greedy continuations, the file as stored vs the file dequantized to fp32 (radixlm's `--quantization none`).",
+        "Agreement: teacher-forced top-1, over 4 prompts and the reference's 48-token greedy continuations (all positions after the first).",
+        "SmolLM2's reference is each file dequantized to fp32 (radixlm's `--quantization none`: no fp32 original ships with it);",
+        "the Llama-shaped model's is its fp32 folder, and its files are llama-quantize's from the f16 conversion of that folder.",
+        "AWQ: the same fp32 weights as AutoAWQ GEMM int4 (round to nearest, group 128, zero points); llama.cpp does not read AWQ.",
         "",
     ])
     write(text, args.out)

@@ -99,6 +99,13 @@ GEMMA_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.
 FAMILIES = {
     f.key: f
     for f in [
+        Family("llama", "meta-llama/Llama-3.2-1B", "LlamaConfig", dict(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5, hidden_act="silu",
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            attention_bias=False, mlp_bias=False, tie_word_embeddings=True,
+        ), quick=dict(head_dim=16)),
         Family("qwen3", "Qwen/Qwen3-0.6B", "Qwen3Config", dict(
             vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
             num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, hidden_act="silu",
@@ -135,6 +142,7 @@ FAMILIES = {
         ), layers=2, quick=dict(head_dim=16)),
     ]
 }  # fmt: skip
+DEFAULT_FAMILIES = [k for k in FAMILIES if k != "llama"]  # Llama-3.2-1B is benchmarks/checkpoints.py's real-shaped model
 
 
 @dataclass(frozen=True)
@@ -546,7 +554,7 @@ def run_family(fam: Family, args: argparse.Namespace, report: Report) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    ap.add_argument("--families", default=",".join(DEFAULT_FAMILIES), help=f"comma-separated, of: {', '.join(FAMILIES)}")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few tokens: checks the script end to end")
     ap.add_argument("--gguf-types", default=None, help="llama.cpp converter --outtype values (default q8_0; q8_0,f16 with --quick)")

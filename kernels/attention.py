@@ -42,9 +42,10 @@ def extend_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal GQA for one row: ``q`` ``[e, H, D]`` (the last ``e`` positions of the keys), ``k``/``v``
-    ``[L, Hkv, D]``; ``mask`` ``[e, L]`` says which keys each query sees, the window included
-    (None: ``causal_mask(e, L, window)``)."""
+    """Causal GQA for one row: ``q`` ``[e, H, D]`` (the last ``e`` positions of the keys), ``k``
+    ``[L, Hkv, D]``, ``v`` ``[L, Hkv, Dv]`` (values may be narrower than keys, as MLA's latent ones);
+    ``mask`` ``[e, L]`` says which keys each query sees, the window included (None:
+    ``causal_mask(e, L, window)``). Returns ``[e, H, Dv]``."""
     e, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
     block = max(window or 0, MIN_WINDOW_BLOCK)
@@ -69,7 +70,8 @@ def extend_attention(
     else:
         head_sinks = None if sinks is None else sinks.float().view(num_kv, 1, group).expand(num_kv, e, group).reshape(num_kv, e * group, 1)
         o = _softmax_blocks(qg, kt, vt, mask, head_dim**-0.5 if scale is None else scale, softcap, head_sinks)
-    return o.view(num_kv, e, group, head_dim).permute(1, 0, 2, 3).reshape(e, num_heads, head_dim)
+    value_dim = v.shape[-1]
+    return o.view(num_kv, e, group, value_dim).permute(1, 0, 2, 3).reshape(e, num_heads, value_dim)
 
 
 def _softmax_blocks(
@@ -113,7 +115,7 @@ def reference_attention(
     e, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     scale = head_dim**-0.5 if scale is None else scale
-    out = torch.empty(e, num_heads, head_dim)
+    out = torch.empty(e, num_heads, v.shape[-1])
     for i in range(e):
         visible = prefix_len + i + 1
         first = 0 if window is None else max(0, visible - window)

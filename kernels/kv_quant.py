@@ -119,9 +119,17 @@ def dequantize_rows(
     return dequantize(gather(values, index), None if scales is None else scales.index_select(0, index), dtype)
 
 
+def values_in_keys(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when ``v`` is the first columns of ``k``'s rows (a latent pool's values): reading keys reads values."""
+    return v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
+
+
 @dataclass
 class PoolLayer:
-    """One layer's K and V pool tensors and, for an 8-bit pool, their per-(slot, head) scales."""
+    """One layer's K and V pool tensors and, for an 8-bit pool, their per-(slot, head) scales.
+
+    In a latent pool ``v`` is a view of ``k``'s first columns (and shares its scales): a read
+    gathers each row once and returns the values as a view of the keys it read."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -132,4 +140,7 @@ class PoolLayer:
         """Keys and values at ``index`` (slots or a slice of them) in ``dtype``: a view when nothing converts."""
         if isinstance(index, slice) and self.k.dtype == dtype:
             return self.k[index], self.v[index]
-        return dequantize_rows(self.k, self.k_scale, index, dtype), dequantize_rows(self.v, self.v_scale, index, dtype)
+        keys = dequantize_rows(self.k, self.k_scale, index, dtype)
+        if values_in_keys(self.k, self.v):
+            return keys, keys[..., : self.v.shape[-1]]
+        return keys, dequantize_rows(self.v, self.v_scale, index, dtype)

@@ -138,7 +138,7 @@ def _partial(
     The C++ decode stack computes a shared prefix's part with the same ops (decode_stack.cpp's
     ``attend``), so the two paths agree to the bit.
     """
-    if softcap is None and _FLASH is not None and q.device.type == "cpu":
+    if softcap is None and _FLASH is not None and q.device.type == "cpu" and v.shape[-1] == q.shape[-1]:
         out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
         return out, lse.unsqueeze(-1)
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -151,7 +151,7 @@ def _partial(
 
 
 def _prefix_parts(qd: torch.Tensor, kv: PoolLayer, plan: DecodePlan, scale: float, softcap: float | None):
-    """Each shared prefix once for all its rows: ``(rows, output [n, Hkv, G, D], lse [n, Hkv, G, 1])``.
+    """Each shared prefix once for all its rows: ``(rows, output [n, Hkv, G, Dv], lse [n, Hkv, G, 1])``.
 
     A prefix of a quantized (or other-dtype) pool is converted once per group, then shared by
     every row of the group: the block a shared prefix is, never the pool.
@@ -163,7 +163,7 @@ def _prefix_parts(qd: torch.Tensor, kv: PoolLayer, plan: DecodePlan, scale: floa
         rows_q = qd if n == qd.shape[0] else qd.index_select(0, g.rows)  # rows are sorted and distinct
         qg = rows_q.permute(1, 0, 2, 3).reshape(1, num_kv, n * group, head_dim)
         o2, lse2 = _partial(qg, kp.transpose(0, 1)[None], vp.transpose(0, 1)[None], None, scale, softcap)  # [1, Hkv, n*G, ...]
-        yield g.rows, o2.view(num_kv, n, group, head_dim).transpose(0, 1), lse2.view(num_kv, n, group, 1).transpose(0, 1)
+        yield g.rows, o2.view(num_kv, n, group, vp.shape[-1]).transpose(0, 1), lse2.view(num_kv, n, group, 1).transpose(0, 1)
 
 
 def decode_attention(
@@ -178,7 +178,10 @@ def decode_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row (``q`` ``[B, H, D]``) over the pool, at the positions
-    ``plan`` gives each row (a sliding window is the plan's); returns ``[B, H, D]``.
+    ``plan`` gives each row (a sliding window is the plan's); returns ``[B, H, Dv]``.
+
+    Values may be narrower than keys (``v_pool`` ``[N, Hkv, Dv]``, as a latent pool's, whose
+    values are the first ``Dv`` columns of its keys): those run the PyTorch path, not the C++ one.
 
     The pool may be stored in another dtype than ``q`` (bf16, int8, fp8); 8-bit pools come with
     their ``[N, Hkv]`` scales. ``scale`` multiplies q·k (default ``D ** -0.5``), ``softcap`` caps
@@ -191,7 +194,8 @@ def decode_attention(
     qd = q.view(bd, num_kv, group, head_dim)
     kv = PoolLayer(k_pool, v_pool, k_scale, v_scale)
     parts = list(_prefix_parts(qd, kv, plan, scale, softcap))
-    ext = cpu_kernels() if q.device.type == "cpu" else None
+    value_dim = v_pool.shape[-1]
+    ext = cpu_kernels() if q.device.type == "cpu" and value_dim == head_dim else None
     if ext is not None:  # C++: each row's own positions, read in place, continuing its prefix part
         init_out = init_lse = None
         if len(parts) == 1 and len(parts[0][0]) == bd:  # one prefix shared by every row (in order)
@@ -213,7 +217,7 @@ def decode_attention(
     smax = plan.suffix_index.shape[1]
     ks, vs = kv.read(plan.suffix_index.reshape(-1), q.dtype)
     ks = ks.view(bd, smax, num_kv, head_dim).transpose(1, 2)
-    vs = vs.view(bd, smax, num_kv, head_dim).transpose(1, 2)
+    vs = vs.view(bd, smax, num_kv, value_dim).transpose(1, 2)
     out, lse = _partial(qd, ks, vs, plan.suffix_bias(q.dtype), scale, softcap)  # [B, Hkv, G, D], [B, Hkv, G, 1]
     for rows, o2, lse2 in parts:
         o1, lse1 = out.index_select(0, rows), lse.index_select(0, rows)
@@ -223,4 +227,4 @@ def decode_attention(
             lse[rows] = torch.logaddexp(lse1, lse2)
     if sinks is not None:
         out = (out.float() * torch.sigmoid(lse - sinks.float().view(num_kv, group, 1))).to(out.dtype)
-    return out.reshape(bd, num_heads, head_dim).to(q.dtype)
+    return out.reshape(bd, num_heads, value_dim).to(q.dtype)

@@ -7,6 +7,14 @@ A *slot* holds the key and value of one token in every layer. Slots are grouped 
 The pool stores K and V in a ``KVFormat`` (``radixlm.kernels.kv_quant``): the model's dtype, a
 16-bit one, or an 8-bit one whose per-(token, head) scales live in slot-indexed tensors beside
 the values, so whatever owns a slot (a request, the radix tree) owns its scales too.
+
+A *latent* pool (``latent_dim`` set: DeepSeek's multi-head latent attention) stores one row per
+token and layer and no separate values: the row is the compressed latent ``c_kv`` followed by the
+rotated RoPE key, read as the key of one shared KV head, and the values are the row's first
+``latent_dim`` columns (a view of the keys, with the keys' scales)::
+
+    k[layer][slot, 0] = [ c_kv (latent_dim) | k_pe (head_dim - latent_dim) ]
+    v[layer][slot, 0] = [ c_kv (latent_dim) ]                 (the same bytes, not a copy)
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ PAD_SLOT = 0  # the slot padded (masked) positions read from
 
 
 class KVPool:
-    """Per-layer K and V tensors ``[num_slots, num_kv_heads, head_dim]`` (and ``[num_slots, num_kv_heads]`` scales)."""
+    """Per-layer K and V tensors ``[num_slots, num_kv_heads, head_dim]`` (and ``[num_slots, num_kv_heads]`` scales);
+    with ``latent_dim``, V is the first ``latent_dim`` columns of K (a latent pool, see the module docstring)."""
 
     def __init__(
         self,
@@ -31,13 +40,17 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         kv_format: KVFormat | str = "auto",
+        latent_dim: int | None = None,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if latent_dim is not None and not 0 < latent_dim <= head_dim:
+            raise ValueError(f"latent_dim must be in 1..{head_dim} (head_dim), got {latent_dim}")
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.latent_dim = latent_dim
         self.format = resolve_kv_format(kv_format, dtype)
         self.dtype = self.format.dtype  # what K and V are stored as
         self.device = torch.device(device)
@@ -45,22 +58,32 @@ class KVPool:
         # Uninitialized, so untouched slots cost no memory; only slot 0 is zeroed because
         # padded reads (masked out, but multiplied) are pointed at it and must stay finite.
         self.k = [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
         self.k_scale: list[torch.Tensor | None] = [None] * num_layers
-        self.v_scale: list[torch.Tensor | None] = [None] * num_layers
         if self.format.scaled:
             self.k_scale = [torch.empty(shape[:2], dtype=torch.float16, device=device) for _ in range(num_layers)]
-            self.v_scale = [torch.empty(shape[:2], dtype=torch.float16, device=device) for _ in range(num_layers)]
+        if latent_dim is None:
+            self.v = [torch.empty(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
+            self.v_scale = [None if s is None else torch.empty_like(s) for s in self.k_scale]
+        else:  # the values are the keys' first columns, quantized with the keys' row scale
+            self.v = [k[..., :latent_dim] for k in self.k]
+            self.v_scale = list(self.k_scale)
         for t in self.k + self.v:
             as_bytes(t)[PAD_SLOT].zero_()
         for t in self.k_scale + self.v_scale:
             if t is not None:
                 t[PAD_SLOT].zero_()
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the keys and values of new tokens at ``slots`` in one layer (quantized once, here)."""
+    @property
+    def latent(self) -> bool:
+        """True for a latent pool, whose values are a view of its keys."""
+        return self.latent_dim is not None
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Store the keys and values of new tokens at ``slots`` in one layer (quantized once, here);
+        a latent pool stores ``k`` alone (its values are ``k``'s first ``latent_dim`` columns) and ignores ``v``."""
         ext = cpu_kernels() if self.format.scaled and self.device.type == "cpu" else None
-        for values, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+        stores = ((self.k, self.k_scale, k),) if self.latent else ((self.k, self.k_scale, k), (self.v, self.v_scale, v))
+        for values, scales, x in stores:
             if ext is not None:  # one fused pass instead of a dozen tensor ops per layer and step
                 ext.quantize_into(x, slots, values[layer], scales[layer], self.format.qmax)
                 continue
@@ -77,10 +100,14 @@ class KVPool:
         """One layer's K and V tensors and their scales, as the attention kernels take them."""
         return PoolLayer(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer])
 
+    def _stored(self) -> list[torch.Tensor]:
+        """Every tensor the pool holds (values, then scales, layer by layer), a latent pool's value views left out."""
+        kinds = (self.k, self.k_scale) if self.latent else (self.k, self.v, self.k_scale, self.v_scale)
+        return [t for layer in range(self.num_layers) for t in (kind[layer] for kind in kinds) if t is not None]
+
     def _token_parts(self) -> list[torch.Tensor]:
         """Every slot-indexed tensor (values, then scales, layer by layer) as a uint8 view."""
-        parts = [t for layer in range(self.num_layers) for t in (self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer]) if t is not None]
-        return [t.view(torch.uint8).reshape(self.num_slots, -1) for t in parts]
+        return [t.view(torch.uint8).reshape(self.num_slots, -1) for t in self._stored()]
 
     def token_bytes(self) -> int:
         """Bytes of one slot across all layers, scales included (a row of ``gather_tokens``)."""
@@ -105,13 +132,16 @@ class KVPool:
             col += t.shape[1]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: KVFormat | str = "auto") -> int:
-        """Bytes that one token's KV takes across all layers, scales included."""
-        return 2 * num_layers * num_kv_heads * resolve_kv_format(kv_format, dtype).bytes_per_head(head_dim)
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: KVFormat | str = "auto", latent_dim: int | None = None
+    ) -> int:
+        """Bytes that one token's KV takes across all layers, scales included (a latent pool: its one row a layer)."""
+        rows = 1 if latent_dim is not None else 2
+        return rows * num_layers * num_kv_heads * resolve_kv_format(kv_format, dtype).bytes_per_head(head_dim)
 
     def nbytes(self) -> int:
         """Total bytes held by the pool's tensors."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_scale + self.v_scale if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._stored())
 
 
 class SlotAllocator:

@@ -12,7 +12,7 @@ from fastapi import Request
 
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 # The families beyond Llama's layout, each at a tiny size that still exercises what it adds.
-FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa", "mixtral", "qwen3_moe", "gpt_oss")
+FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 TINY_WINDOW = 8  # the sliding window of the tiny sliding-window models (prompts run to several times it)
 
 CHAT_TEMPLATE = (
@@ -109,6 +109,8 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
 def _family_config(arch: str, common: dict):
     """The transformers config of a tiny ``FAMILY_ARCHS`` model (each family's distinctive piece switched on)."""
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         GptOssConfig,
@@ -154,6 +156,18 @@ def _family_config(arch: str, common: dict):
     if arch == "gpt_oss":  # sinks, a sliding then a full layer, YaRN, biases, 4 experts (2 a token), a SwiGLU clamp that bites
         return GptOssConfig(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_WINDOW, swiglu_limit=1.0,
                             layer_types=["sliding_attention", "full_attention"], **common)  # fmt: skip
+    if arch in ("deepseek_v2", "deepseek_v3"):  # MLA (value heads wider than the nope part), a dense first layer, then experts
+        mla = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, moe_intermediate_size=32,
+                   n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                   **{**common, "num_key_value_heads": common["num_attention_heads"]})  # fmt: skip
+        if arch == "deepseek_v2":  # V2-Lite's layout: no query compression; softmax routing, best groups by their max
+            yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                    "mscale": 0.707, "mscale_all_dim": 0.707}  # fmt: skip
+            return DeepseekV2Config(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5, rope_parameters=yarn, **mla)
+        # V3: compressed queries, sigmoid routing with the correction bias, groups by their top-2 sum; YaRN whose mscale bends the softmax scale
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+        return DeepseekV3Config(q_lora_rank=64, routed_scaling_factor=2.5, rope_parameters=yarn, **mla)
     if arch == "smollm3":  # the second of every two layers without RoPE
         return SmolLM3Config(no_rope_layers=[1, 0], pad_token_id=0, **common)
     return MistralConfig(sliding_window=TINY_WINDOW, **common)  # mistral_swa: every layer slides

@@ -94,9 +94,10 @@ def dequantize(blocks: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
     """x rounded to 8 bits per block of 32 (scale max |x| / 127), as the kernel quantizes it, in float64."""
-    blocks = x.double().reshape(x.shape[0], -1, 32)
-    scale = (blocks.abs().amax(-1, keepdim=True).float() / 127).double()  # the kernel computes the scale in fp32
-    return (torch.round(blocks / torch.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127  # as the kernel: in fp32, codes round(x * (1 / scale))
+    inv = torch.where(scale > 0, 1 / scale, 0)
+    return (torch.round(blocks * inv).double() * scale.double()).reshape(x.shape)
 
 
 def assert_matches(got: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, what: str = "") -> None:

@@ -19,7 +19,12 @@ from torch import nn
 
 from helpers import missing_under_ci
 from radixlm.kernels.cpu_ext import CSRC
-from radixlm.runtime.layers.quantized_linear import Int4Linear, q4_1_quantize, q4_1_tiles
+from radixlm.runtime.layers.quantized_linear import (
+    Int4Linear,
+    q4_0_tiles,
+    q4_1_quantize,
+    q4_1_tiles,
+)
 
 SHAPES = [(1, 32), (3, 64), (4, 96), (101, 64), (576, 576), (130, 1536)]  # (out, in): tails of a tile, one block, many
 ROWS = [1, 2, 3, 4, 5, 9]  # every pass size of the kernel and a remainder
@@ -27,11 +32,11 @@ ROWS = [1, 2, 3, 4, 5, 9]  # every pass size of the kernel and a remainder
 SHIM = r"""
 #include <vector>
 #include "q4_matmul.h"
-extern "C" void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* tiles, int64_t n, float* y) {
+extern "C" void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* tiles, int64_t n, float* y, int q4_0) {
   std::vector<float> scratch((radixlm::q4::scratch_bytes(rows, k) + 3) / 4);
   uint8_t* s = reinterpret_cast<uint8_t*>(scratch.data());
   radixlm::q4::quantize_into(x, rows, k, s);
-  radixlm::q4::matmul_tiles(tiles, s, rows, k, n, 0, (n + 3) / 4, y);
+  radixlm::q4::matmul_tiles(tiles, s, rows, k, n, 0, (n + 3) / 4, y, q4_0 != 0);
 }
 """
 FLAGS = {"avx2 without vnni": "-march=haswell", "plain C++": "-march=x86-64", "native": "-march=native"}
@@ -49,6 +54,15 @@ def _quantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q4_1_tiles(codes, scale, minimum), dense
 
 
+def _q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 codes and fp16 scales of ``w`` (``w ~ scale * (code - 8)``) and the weights they stand for."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 32, 32)
+    scale = (groups.abs().amax(-1) / 8).clamp(min=1e-6).half()
+    codes = torch.round(groups / scale.float()[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    return codes, scale, (scale.float()[..., None] * (codes.float() - 8)).reshape(n, k)
+
+
 def _reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """x rounded to 8 bits per block of 32 (scale max |x| / 127) times the dequantized weights."""
     blocks = x.double().reshape(x.shape[0], -1, 32)
@@ -57,11 +71,15 @@ def _reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return (xq.reshape(x.shape) @ dense.double().t()).float()
 
 
-def _cases():
+def _cases(q4_0: bool = False):
     gen = torch.Generator().manual_seed(0)
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=gen) * 0.05
-        tiles, dense = _quantized(w)
+        if q4_0:
+            codes, scale, dense = _q4_0(w)
+            tiles = q4_0_tiles(codes, scale)
+        else:
+            tiles, dense = _quantized(w)
         for m in ROWS:
             x = torch.randn(m, k, generator=gen) * 3
             x[0, :5] = 0  # exact zeros and a block of them, where k allows
@@ -112,15 +130,34 @@ def shims(tmp_path_factory):
     return libs
 
 
-def test_every_instruction_set_path_equals_the_reference(shims):
+@pytest.mark.parametrize("q4_0", [False, True], ids=["q4_1 tiles", "q4_0 tiles"])
+def test_every_instruction_set_path_equals_the_reference(shims, q4_0):
     for name, lib in shims.items():
-        for x, tiles, n, dense in _cases():
+        for x, tiles, n, dense in _cases(q4_0):
             y = torch.empty(x.shape[0], n)
-            lib.q4_matmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]), ctypes.c_void_p(tiles.data_ptr()), ctypes.c_int64(n), ctypes.c_void_p(y.data_ptr()))
+            lib.q4_matmul(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]), ctypes.c_void_p(tiles.data_ptr()), ctypes.c_int64(n), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(q4_0))
             try:
                 _assert_matches(y, x, dense)
             except AssertionError as exc:
                 raise AssertionError(f"the {name} path: {exc}") from None
+
+
+def test_q4_0_tiles_compute_exactly_their_q4_1_form_in_the_files_bytes(ext):
+    # Q4_0's minimum -8 d is worked out in the kernel: the same products as the 20-byte form, from 18
+    gen = torch.Generator().manual_seed(5)
+    for n, k in SHAPES:
+        codes, scale, dense = _q4_0(torch.randn(n, k, generator=gen) * 0.05)
+        tiles = q4_0_tiles(codes, scale)
+        wide = q4_1_tiles(codes, scale, (scale.float() * -8).half())
+        assert tiles.shape[1] * 20 == wide.shape[1] * 18
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen)
+            assert torch.equal(ext.q4_linear(x, tiles, n), ext.q4_linear(x, wide, n)), (n, k, m)
+        layer = Int4Linear.from_q4_0(codes, scale, kernel="cpp")
+        assert layer.tiles.shape == tiles.shape and layer.weight_bytes() == n * k // 32 * 18 + (-n % 4) * k // 32 * 18
+        other = Int4Linear.from_q4_0(codes, scale, kernel="torch")  # PyTorch's kernel: its Q4_1 form
+        x = torch.randn(3, k, generator=gen)
+        torch.testing.assert_close(other(x), x @ dense.t(), atol=0.05 * dense.abs().sum(1).max().item(), rtol=0.05)
 
 
 def test_int4_linear_gives_each_row_the_same_output_at_any_batch_size(ext):

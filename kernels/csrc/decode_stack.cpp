@@ -52,7 +52,7 @@ struct Linear {
       const auto& w0 = weight[0];
       TORCH_CHECK(w0.device().is_cpu() && w0.dim() == 2, "a decode-stack weight must be a 2-D CPU tensor");
       TORCH_CHECK(w0.scalar_type() == torch::kUInt8 || (w0.scalar_type() == torch::kFloat && w0.size(0) == n),
-                  "a decode-stack weight must be Q4_1 tiles (uint8) or float32 [n, K]");
+                  "a decode-stack weight must be Q4_1 or Q4_0 tiles (uint8) or float32 [n, K]");
     } else {
       TORCH_CHECK(weight.size() == types.size(), "a GGUF decode-stack weight needs one type per part");
       int64_t rows = 0;

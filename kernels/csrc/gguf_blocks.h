@@ -105,15 +105,27 @@ inline __m256 halves8(const uint8_t* p, int64_t stride, int n) {
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
 }
 
-// 8 bytes (unsigned) as 8 floats.
-inline __m256 bytes8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // Signed codes split as the kernel multiplies them: |c| (unsigned) and c (its signs).
 inline void signed_codes(__m256i c, Chunk& ch, int i) {
   ch.q[i] = _mm256_abs_epi8(c);
   ch.aux[i] = c;
+}
+
+// Q4_K's and Q5_K's block header (fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins) as the
+// chunk's 8 scales D = d * sc and 8 mins M = -dmin * mn (k_scales' unpacking, in vector registers).
+inline void k_header(const uint8_t* b, Chunk& ch) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // dwords: a, b, c, (codes)
+  const __m128i acbc = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));
+  const __m128i aabb = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(acbc, _mm_setr_epi32(0, 0, 0, 4)),
+                                    _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi32(aabb, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i scmn = _mm_or_si128(low, high);  // bytes 0..7: the scales, 8..15: the mins
+  // d and -dmin (the sign bit flipped as a half: exact)
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(u32_at(b) ^ 0x80000000u)));
+  ch.d = _mm256_mul_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scmn)));
+  ch.m = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scmn, scmn))));
 }
 
 // IQ4 nibbles (Q4_0 order) as their signed code values.
@@ -296,11 +308,8 @@ struct Q4_K {
 #if defined(RADIXLM_Q4_AVX2)
   static constexpr bool kLoadMin = true;
   static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
-    const uint8_t* b = row + g0 / kSubs * kBytes;
-    alignas(8) uint8_t sc[8], mn[8];
-    k_scales(b + 4, sc, mn);
-    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), bytes8(sc));
-    ch.m = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), bytes8(mn));
+    const uint8_t* b = row + static_cast<uint64_t>(g0) / kSubs * kBytes;
+    k_header(b, ch);
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int j = 0; j < 4; ++j) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * j));
@@ -329,11 +338,8 @@ struct Q5_K {
 #if defined(RADIXLM_Q4_AVX2)
   static constexpr bool kLoadMin = true;
   static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
-    const uint8_t* b = row + g0 / kSubs * kBytes;
-    alignas(8) uint8_t sc[8], mn[8];
-    k_scales(b + 4, sc, mn);
-    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), bytes8(sc));
-    ch.m = _mm256_mul_ps(_mm256_set1_ps(-half_at(b + 2)), bytes8(mn));
+    const uint8_t* b = row + static_cast<uint64_t>(g0) / kSubs * kBytes;
+    k_header(b, ch);
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int j = 0; j < 4; ++j) {
@@ -369,7 +375,7 @@ struct Q6_K {
   // codes kept unsigned (0..63); aux[i]: sub-block i's two scales as int16 (8 lanes each)
   static constexpr bool kLoadMin = false;
   static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
-    const uint8_t* b = row + g0 / kSubs * kBytes;
+    const uint8_t* b = row + static_cast<uint64_t>(g0) / kSubs * kBytes;
     ch.d = _mm256_set1_ps(half_at(b + 208));
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h) {
@@ -381,11 +387,18 @@ struct Q6_K {
       ch.q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low), _mm256_and_si256(qh, two));
       ch.q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low), _mm256_and_si256(_mm256_srli_epi16(qh, 2), two));
     }
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    // the 16 scales as int16, scales 0..7 (then 8..15) in both halves; sub-block i's pair picked
+    // from them by one byte shuffle (scale 2i in the low half, 2i + 1 in the high one)
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    const __m256i first = _mm256_permute2x128_si256(sc, sc, 0x00), second = _mm256_permute2x128_si256(sc, sc, 0x11);
     for (int i = 0; i < 8; ++i) {
-      const __m128i pick = _mm_set_epi64x(static_cast<long long>(0x0101010101010101ULL * (2 * i + 1)),
-                                          static_cast<long long>(0x0101010101010101ULL * (2 * i)));
-      ch.aux[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+      const int lo = (2 * i) % 8, hi = (2 * i + 1) % 8;
+      const __m256i pick = _mm256_setr_epi8(
+          2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
+          2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1, 2 * lo, 2 * lo + 1,
+          2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1,
+          2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1, 2 * hi, 2 * hi + 1);
+      ch.aux[i] = _mm256_shuffle_epi8(i < 4 ? first : second, pick);
     }
   }
 #endif
@@ -411,7 +424,7 @@ struct IQ4_XS {
 #if defined(RADIXLM_Q4_AVX2)
   static constexpr bool kLoadMin = false;
   static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
-    const uint8_t* b = row + g0 / kSubs * kBytes;
+    const uint8_t* b = row + static_cast<uint64_t>(g0) / kSubs * kBytes;
     alignas(32) float sc[8];
     for (int s = 0; s < 8; ++s) {
       sc[s] = static_cast<float>(scale(b, s));
@@ -489,7 +502,7 @@ void row_dots(const uint8_t* row, const int8_t* xq, int64_t k, const float* dx, 
   int64_t g0 = 0;
   constexpr int64_t kChunkBytes = 8 / T::kSubs * T::kBytes;
   for (; g0 + 8 <= groups; g0 += 8) {
-    const uint8_t* p = row + g0 / T::kSubs * T::kBytes;
+    const uint8_t* p = row + static_cast<uint64_t>(g0) / T::kSubs * T::kBytes;
     __builtin_prefetch(p + kPrefetch);
     if constexpr (kChunkBytes > 64) __builtin_prefetch(p + kPrefetch + 64);
     if constexpr (kChunkBytes > 128) __builtin_prefetch(p + kPrefetch + 128);

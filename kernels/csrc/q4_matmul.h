@@ -10,6 +10,10 @@
 // A row's dot product is sum_g d_g * (q_g . x_g) + m_g * sum(x_g). As in llama.cpp, x is first
 // quantized to 8 bits per block of 32, so q_g . x_g is an integer dot product (VNNI where the
 // CPU has it, else AVX2's byte multiply-add).
+//
+// GGUF's Q4_0 (w = d * (q - 8): m = -8 d, exact) has its own tiles, without the minimums: block
+// g of a tile is the 4 rows' d, then their codes (72 bytes, the file's 18 per block and row); its
+// m is computed as -8 d, so it multiplies exactly as its Q4_1 form would, in 10% fewer bytes.
 #pragma once
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -27,6 +31,13 @@ constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockBytes = 20;
 constexpr int kTile = 4;  // weight rows stored interleaved, block by block, and computed together
 constexpr int64_t kTileBlockBytes = kTile * kBlockBytes;  // block g of a tile's 4 rows
+constexpr int64_t kQ4_0TileBlockBytes = kTile * 18;  // the same in Q4_0 tiles
+
+// Bytes of block g of a tile, and where its codes start.
+template <bool kQ4_0>
+constexpr int64_t tile_block_bytes() { return kQ4_0 ? kQ4_0TileBlockBytes : kTileBlockBytes; }
+template <bool kQ4_0>
+constexpr int64_t codes_at() { return kQ4_0 ? 8 : 16; }
 
 // The IEEE half at p (unaligned) as a float.
 inline float half_at(const uint8_t* p) {
@@ -75,22 +86,30 @@ constexpr int64_t kPrefetch = 2048;  // bytes ahead of the tile being read: the 
 // dot[b * 4 + c] = sum over the blocks g of the tile's weight row c of
 // d * dx_b * (q . qx_b) + m * xsum_b, for R rows of x (x_b quantized per block of 32 to
 // qx_b * dx_b, 8-bit signed, as GGUF's Q8 blocks are).
-template <int R>
+template <int R, bool kQ4_0>
 void tile_dots(const uint8_t* tile, const int8_t* xq, int64_t k, const float* dx, const float* xsum, int64_t groups,
                float* dot) {
+  constexpr int64_t kBytes = tile_block_bytes<kQ4_0>(), kCodes = codes_at<kQ4_0>();
 #if defined(RADIXLM_Q4_AVX2)
   __m128 acc[R], macc[R];
   for (int b = 0; b < R; ++b) acc[b] = macc[b] = _mm_setzero_ps();
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* tb = tile + g * kTileBlockBytes;
+    const uint8_t* tb = tile + g * kBytes;
     __builtin_prefetch(tb + kPrefetch);
     __builtin_prefetch(tb + kPrefetch + 64);
-    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb)));
-    const __m128 d = _mm256_castps256_ps128(dm), m = _mm256_extractf128_ps(dm, 1);
-    const __m256i v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 16));
-    const __m256i v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 48));
+    __m128 d, m;
+    if constexpr (kQ4_0) {
+      d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tb)));
+      m = _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+    } else {
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tb)));
+      d = _mm256_castps256_ps128(dm);
+      m = _mm256_extractf128_ps(dm, 1);
+    }
+    const __m256i v01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + kCodes));
+    const __m256i v23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + kCodes + 32));
     const __m256i lo01 = _mm256_and_si256(v01, low), hi01 = _mm256_and_si256(_mm256_srli_epi16(v01, 4), low);
     const __m256i lo23 = _mm256_and_si256(v23, low), hi23 = _mm256_and_si256(_mm256_srli_epi16(v23, 4), low);
     for (int b = 0; b < R; ++b) {
@@ -109,10 +128,10 @@ void tile_dots(const uint8_t* tile, const int8_t* xq, int64_t k, const float* dx
 #else
   float acc[kTile * R] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* tb = tile + g * kTileBlockBytes;
+    const uint8_t* tb = tile + g * kBytes;
     for (int c = 0; c < kTile; ++c) {
-      const float d = half_at(tb + 2 * c), m = half_at(tb + 8 + 2 * c);
-      const uint8_t* nib = tb + 16 + 16 * c;
+      const float d = half_at(tb + 2 * c), m = kQ4_0 ? d * -8.0f : half_at(tb + 8 + 2 * c);
+      const uint8_t* nib = tb + kCodes + 16 * c;
       for (int b = 0; b < R; ++b) {
         const int8_t* qb = xq + b * k + g * kGroup;
         int32_t t = 0;
@@ -148,6 +167,7 @@ inline void quantize_x(const float* x, int64_t rows, int64_t k, int8_t* xq, floa
 }
 
 // y[b, j] for the tile's weight rows j (those below n) and every row b of x.
+template <bool kQ4_0>
 inline void tile_rows(const uint8_t* tile, const int8_t* xq, int64_t k, const float* dx, const float* xsum, int64_t groups,
                int64_t rows, int64_t first, int64_t n, float* y) {
   for (int64_t b0 = 0; b0 < rows; b0 += kXRows) {
@@ -157,13 +177,13 @@ inline void tile_rows(const uint8_t* tile, const int8_t* xq, int64_t k, const fl
     const float* db = dx + b0 * groups;
     const float* sb = xsum + b0 * groups;
     switch (r) {
-      case 1: tile_dots<1>(tile, qb, k, db, sb, groups, dot); break;
+      case 1: tile_dots<1, kQ4_0>(tile, qb, k, db, sb, groups, dot); break;
 #if defined(__AVX512VL__)
-      case 2: tile_dots<2>(tile, qb, k, db, sb, groups, dot); break;
-      case 3: tile_dots<3>(tile, qb, k, db, sb, groups, dot); break;
-      default: tile_dots<4>(tile, qb, k, db, sb, groups, dot); break;
+      case 2: tile_dots<2, kQ4_0>(tile, qb, k, db, sb, groups, dot); break;
+      case 3: tile_dots<3, kQ4_0>(tile, qb, k, db, sb, groups, dot); break;
+      default: tile_dots<4, kQ4_0>(tile, qb, k, db, sb, groups, dot); break;
 #else
-      default: tile_dots<2>(tile, qb, k, db, sb, groups, dot); break;
+      default: tile_dots<2, kQ4_0>(tile, qb, k, db, sb, groups, dot); break;
 #endif
     }
     for (int64_t c = 0; c < kTile && first + c < n; ++c) {
@@ -176,16 +196,22 @@ inline void tile_rows(const uint8_t* tile, const int8_t* xq, int64_t k, const fl
 // Bytes of scratch the quantized x of ``rows`` rows of ``k`` needs (scales, sums, codes).
 inline int64_t scratch_bytes(int64_t rows, int64_t k) { return rows * (k / kGroup) * 2 * 4 + rows * k; }
 
-// y[b, j] (row stride n) for the weight rows of tiles [tile_begin, tile_end), every row of x,
-// from x already quantized into ``scratch`` by quantize_into.
+// y[b, j] (row stride n) for the weight rows of tiles [tile_begin, tile_end) (Q4_1 tiles, or
+// Q4_0 ones), every row of x, from x already quantized into ``scratch`` by quantize_into.
 inline void matmul_tiles(const uint8_t* tiles, const uint8_t* scratch, int64_t rows, int64_t k, int64_t n,
-                         int64_t tile_begin, int64_t tile_end, float* y) {
+                         int64_t tile_begin, int64_t tile_end, float* y, bool q4_0 = false) {
   const int64_t groups = k / kGroup;
   const float* dx = reinterpret_cast<const float*>(scratch);
   const float* xsum = dx + rows * groups;
   const int8_t* xq = reinterpret_cast<const int8_t*>(xsum + rows * groups);
-  const int64_t tile_bytes = groups * kTileBlockBytes;
-  for (int64_t t = tile_begin; t < tile_end; ++t) tile_rows(tiles + t * tile_bytes, xq, k, dx, xsum, groups, rows, t * kTile, n, y);
+  const int64_t tile_bytes = groups * (q4_0 ? kQ4_0TileBlockBytes : kTileBlockBytes);
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    if (q4_0) {
+      tile_rows<true>(tiles + t * tile_bytes, xq, k, dx, xsum, groups, rows, t * kTile, n, y);
+    } else {
+      tile_rows<false>(tiles + t * tile_bytes, xq, k, dx, xsum, groups, rows, t * kTile, n, y);
+    }
+  }
 }
 
 // x [rows, k] quantized into ``scratch`` (scratch_bytes(rows, k) bytes, 4-byte aligned).

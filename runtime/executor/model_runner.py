@@ -91,7 +91,8 @@ class ModelRunner:
         size = self.args.tp_size
         shards = [plan_shard(cfg, r, size) for r in range(size)]  # a model that cannot split is refused here
         kv_format = resolve_kv_format(self.args.kv_cache_dtype, self.dtype)
-        per_rank = [KVPool.bytes_per_token(cfg.num_layers, s.num_kv_heads, cfg.head_dim, self.dtype, kv_format) for s in shards]
+        layouts = [cfg.kv_layout(s.num_kv_heads) for s in shards]  # (kv heads, width, latent width) of each rank's pool
+        per_rank = [KVPool.bytes_per_token(cfg.num_layers, heads, dim, self.dtype, kv_format, latent) for heads, dim, latent in layouts]
         # CPU ranks share the host's memory; each GPU rank has its own device
         pool_tokens = self._pool_size(sum(per_rank) if self.device.type == "cpu" else max(per_rank))
         prepare_weights(model_path)
@@ -116,13 +117,16 @@ class ModelRunner:
         self.context_len = min(args.context_length or self.config.context_length, self.config.context_length)
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.dtype)
         cfg = self.config
-        kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
-        self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.kv_format)
+        kv_heads, kv_dim, latent_dim = cfg.kv_layout(None if shard is None else shard.num_kv_heads)  # MLA: one latent row a layer
+        self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, kv_dim, self.dtype, self.kv_format, latent_dim)
         self.max_total_tokens = pool_tokens or self._pool_size(self.kv_bytes_per_token)
         # one slot past the allocator's, owned by no request: the padded rows of captured decode steps write there
         self.pad_write_slot = self.max_total_tokens
-        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, kv_heads, cfg.head_dim, self.dtype, self.device, self.kv_format)
+        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, kv_heads, kv_dim, self.dtype, self.device, self.kv_format, latent_dim)
         self.attn_backend = select_attention_backend(args.attention_backend, self.device)
+        if latent_dim is not None and not self.attn_backend.latent_kv:
+            logger.info("attention backend torch: %s does not serve a latent KV pool", type(self.attn_backend).__name__)
+            self.attn_backend = select_attention_backend("torch", self.device)
         self.decode_graphs = self._decode_graphs()
         logger.info(
             "KV pool%s: %d tokens of %s KV, %d bytes each (%.1f MiB), attention backend %s",

@@ -120,13 +120,15 @@ class GGUFWeight(StoredWeight):
 
     @classmethod
     def join(cls, parts: Sequence[StoredWeight], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
-        """Q4_0/Q4_1 throughout: the int4 layer; else ``GGUFLinear`` where the C++ kernels run every
+        """Q4_0/Q4_1 throughout: the int4 layer (Q4_0 alone: its Q4_0 tiles); else ``GGUFLinear`` where the C++ kernels run every
         part's type; else dequantized (logged)."""
         parts = [p for p in parts if isinstance(p, GGUFWeight)]
         types = {p.qtype for p in parts}
         if types <= {Q4_0, Q4_1}:
             q4 = [q4_blocks_to_q4_1(p.blocks, p.qtype) for p in parts]
             codes, scale, minimum = (torch.cat([q[i] for q in q4]).to(device) for i in range(3))
+            if types == {Q4_0}:  # the Q4_0 tiles: the file's bytes
+                return Int4Linear.from_q4_0(codes, scale, bias)
             return Int4Linear.from_q4_1(codes, scale, minimum, bias)
         if device.type == "cpu" and types <= kernel_types():
             return GGUFLinear([(p.qtype, p.blocks) for p in parts], parts[0].in_features, bias)

@@ -93,6 +93,15 @@ def q4_1_tiles(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
     return torch.cat(parts, dim=-1).reshape(tiles, g * Q4_TILE * 20).contiguous()
 
 
+def q4_0_tiles(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 weights (``w = scale * (code - 8)``) in the C++ kernel's Q4_0 tiles: uint8
+    [ceil(N / 4), K/32 * 72], ``q4_1_tiles``' layout without the minimums (the kernel computes -8
+    scale): the file's 18 bytes per block, not Q4_1's 20."""
+    tiles = q4_1_tiles(codes, scale, torch.zeros_like(scale))
+    by_block = tiles.reshape(tiles.shape[0], codes.shape[1], Q4_TILE * 20)
+    return torch.cat([by_block[..., :8], by_block[..., 16:]], dim=-1).reshape(tiles.shape[0], -1).contiguous()
+
+
 class Int4Linear(nn.Module):
     """``y = x @ W.T (+ b)`` with W in 4-bit groups of 32 (scale and minimum per group).
 
@@ -122,9 +131,23 @@ class Int4Linear(nn.Module):
         layer._pack(codes.to(torch.uint8), scale, minimum, bias, None, None, kernel, codes.device)
         return layer
 
+    @classmethod
+    def from_q4_0(cls, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "auto") -> Int4Linear:
+        """The layer for GGUF Q4_0 weights (``w = scale * (code - 8)``: codes ``[N, K/32, 32]``,
+        fp16 scale ``[N, K/32]``): the C++ kernel's Q4_0 tiles (the file's bytes), else its Q4_1
+        form (minimum -8 scale, exact in fp16) for the other kernels."""
+        if codes.dim() != 3 or codes.shape[2] != INT4_GROUP or scale.shape != codes.shape[:2] or scale.dtype != torch.float16:
+            raise ValueError(f"codes must be [N, K/32, 32] with a float16 scale [N, K/32], got {tuple(codes.shape)}, {scale.dtype} {tuple(scale.shape)}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        minimum = (scale.float() * -8).half()
+        layer._pack(codes.to(torch.uint8), scale, minimum, bias, None, None, kernel, codes.device, q4_0=True)
+        return layer
+
     def _pack(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None,
-              dense_from: int | None, dense: torch.Tensor | None, kernel: str, device: torch.device) -> None:  # fmt: skip
-        """Hold the codes in the layout of the kernel that will run them."""
+              dense_from: int | None, dense: torch.Tensor | None, kernel: str, device: torch.device, q4_0: bool = False) -> None:  # fmt: skip
+        """Hold the codes in the layout of the kernel that will run them (``q4_0``: the minimum is
+        -8 scale, and the C++ kernel takes Q4_0 tiles)."""
         if kernel not in ("auto", "cpp", "torch", "triton"):
             raise ValueError(f"kernel must be auto, cpp, torch or triton, got {kernel!r}")
         n = codes.shape[0]
@@ -137,7 +160,8 @@ class Int4Linear(nn.Module):
         ext = cpu_kernels() if kernel in ("auto", "cpp") and device.type == "cpu" else None
         if kernel == "cpp" and ext is None:
             raise RuntimeError("the C++ CPU kernels are not available here (see the warning logged when they failed to build)")
-        self.register_buffer("tiles", q4_1_tiles(codes, scale, minimum) if ext is not None else None)
+        tiles = None if ext is None else q4_0_tiles(codes, scale) if q4_0 else q4_1_tiles(codes, scale, minimum)
+        self.register_buffer("tiles", tiles)
         self.register_buffer("qweight", None)
         self.register_buffer("scales_zeros", None)
         for name in ("halves", "group_scale", "group_min"):  # the Triton kernel's layout

@@ -5,6 +5,7 @@ Importing this package imports every family, which registers its architecture na
 """
 
 from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.deepseek import DeepseekForCausalLM
 from radixlm.runtime.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from radixlm.runtime.models.gpt_oss import GptOssForCausalLM
 from radixlm.runtime.models.llama import LlamaForCausalLM
@@ -14,6 +15,7 @@ from radixlm.runtime.models.qwen3 import Qwen3ForCausalLM
 from radixlm.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 __all__ = [
+    "DeepseekForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "GptOssForCausalLM",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.layers.mla import MLASpec
 from radixlm.runtime.layers.moe_router import RouterSpec
 from radixlm.runtime.models.registry import supported_architectures
 
@@ -100,6 +101,17 @@ class ModelConfig:
     no_rope_layers: list[int] | None = None  # SmolLM3: 1 where a layer applies RoPE, 0 where it does not
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
     moe: MoEConfig | None = None  # a mixture of experts: its routing and expert layers
+    mla: MLASpec | None = None  # DeepSeek's multi-head latent attention (its KV pool is latent)
+
+    def kv_layout(self, num_kv_heads: int | None = None) -> tuple[int, int, int | None]:
+        """The KV pool's shape per token and layer: ``(kv heads, key width, latent width)``.
+
+        Per-head K and V (``num_kv_heads``: this rank's, default all) have no latent width; an MLA
+        model stores one row ``[c_kv | k_pe]`` of one shared head, whose first ``kv_lora_rank``
+        columns are its values (on every tensor-parallel rank alike)."""
+        if self.mla is not None:
+            return 1, self.mla.row_dim, self.mla.kv_lora_rank
+        return (self.num_kv_heads if num_kv_heads is None else num_kv_heads), self.head_dim, None
 
     def sparse(self, layer: int) -> bool:
         """True where ``layer``'s feed-forward block is routed experts (not a dense MLP)."""
@@ -142,6 +154,7 @@ class ModelConfig:
             )
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
+        mla = _mla_spec(cfg, family)
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         global_rope, local_rope = _rope_by_layer_type(cfg)
@@ -153,8 +166,9 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            # MLA: the heads split across ranks as query heads; RoPE turns each head's qk_rope_head_dim dims
+            num_kv_heads=num_heads if mla is not None else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=mla.qk_rope_head_dim if mla is not None else cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(global_rope),
             rope_scaling=_rope_scaling(global_rope, cfg),
@@ -176,7 +190,25 @@ class ModelConfig:
             no_rope_layers=list(cfg["no_rope_layers"]) if cfg.get("no_rope_layers") else None,
             partial_rotary_factor=float(_rope_field(global_rope, "partial_rotary_factor", 1.0)),
             moe=MoEConfig.from_hf_dict(cfg, family),
+            mla=mla,
         )
+
+
+def _mla_spec(cfg: dict[str, Any], family: str) -> MLASpec | None:
+    """The multi-head latent attention of a DeepSeek config (None for every other attention).
+
+    DeepSeek-V2 always rotates its RoPE dims in interleaved pairs; V3 does where ``rope_interleave``
+    says so (the default, and every published checkpoint)."""
+    if not family.startswith("deepseek") or not cfg.get("kv_lora_rank"):
+        return None
+    return MLASpec(
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        q_lora_rank=cfg.get("q_lora_rank") or None,
+        rope_interleave=family == "deepseek_v2" or bool(cfg.get("rope_interleave", True)),
+    )
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

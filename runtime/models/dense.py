@@ -4,7 +4,9 @@ A family is this decoder with its choices made: a ``DenseArch`` (what its layers
 Llama's: per-head q/k norms, Gemma's four norms a layer, ``(1 + w)`` norms, scaled embeddings,
 attention sinks) and its checkpoint names, registered in ``radixlm.runtime.models.registry``.
 What varies per layer comes from the config (``ModelConfig.window``, ``uses_rope``, Gemma 3's
-local RoPE base) and reaches the attention backend as an ``AttentionSpec``.
+local RoPE base) and reaches the attention backend as an ``AttentionSpec``. A config with
+``mla`` (DeepSeek) attends through ``LatentAttention`` over a latent pool instead of grouped-query
+attention; the rest of the layer is the same.
 
 Attention itself is delegated to the batch's attention backend, which reads the cached prefix
 through the slot table and writes the new tokens' KV into the pool. Under tensor parallelism
@@ -33,6 +35,7 @@ from radixlm.runtime.layers.activation import clamped_swiglu, gelu_tanh_and_mul,
 from radixlm.runtime.layers.attention_spec import AttentionSpec
 from radixlm.runtime.layers.decode_stack import DecodeStacks, StackLayer
 from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.mla import LatentAttention
 from radixlm.runtime.layers.moe import MoEBlock
 from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.rope import RotaryEmbedding, apply_rotary
@@ -130,7 +133,7 @@ class DenseDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = DenseAttention(cfg, arch, layer_id, shard, group)
+        self.self_attn = DenseAttention(cfg, arch, layer_id, shard, group) if cfg.mla is None else latent_attention(cfg, layer_id, shard, group)
         self.post_attention_layernorm = RMSNorm(hidden, eps)  # Gemma: on the attention output; else: before the MLP
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps) if arch.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(hidden, eps) if arch.sandwich_norms else None
@@ -151,9 +154,10 @@ class DenseDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
     def stack_layer(self) -> StackLayer | None:
-        """This layer's parts, as the fused C++ decode stack reads them (None: it has no stack form, as routed experts)."""
+        """This layer's parts, as the fused C++ decode stack reads them (None: it has no stack form, as
+        routed experts and latent attention)."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, DenseMLP):
+        if not isinstance(mlp, DenseMLP) or not isinstance(attn, DenseAttention):
             return None
         sandwich = self.pre_feedforward_layernorm is not None
         return StackLayer(
@@ -163,6 +167,13 @@ class DenseDecoderLayer(nn.Module):
             attn_out_norm=self.post_attention_layernorm if sandwich else None,
             mlp_out_norm=self.post_feedforward_layernorm, activation=mlp.activation,
         )  # fmt: skip
+
+
+def latent_attention(cfg: ModelConfig, layer_id: int, shard: TPShard | None = None, group: TPGroup | None = None) -> LatentAttention:
+    """The multi-head latent attention of layer ``layer_id`` of an MLA model ``cfg``, at this rank's heads."""
+    heads = cfg.num_heads if shard is None else shard.num_heads
+    scale = cfg.mla.softmax_scale(cfg.rope_scaling)
+    return LatentAttention(cfg.hidden_size, heads, cfg.mla, layer_id, scale, cfg.attention_bias, rope_table_of(cfg, layer_id), group)
 
 
 def moe_block(cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> MoEBlock:

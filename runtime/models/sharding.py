@@ -14,6 +14,12 @@ Query heads go with their KV head, so every rank keeps grouped-query attention's
 - fewer KV heads than ranks: each KV head is replicated on ``tp / Hkv`` ranks, which split its
   query heads (needs ``tp`` a multiple of ``Hkv`` and the group divisible by the replication).
 
+Multi-head latent attention (DeepSeek) splits by query heads as DeepSeek's own code does: each
+rank keeps its heads' rows of the query projection (``q_proj``, or ``q_b_proj`` after the
+shared ``q_a_proj``) and of ``kv_b_proj`` (their nope keys and values), and their columns of
+``o_proj``; the latent projections (``q_a_proj``, ``kv_a_proj_with_mqa``) and their norms are
+whole on every rank, so every rank computes and stores the same latent rows for its own heads.
+
 Slices of the intermediate size are whole multiples of 32 where it allows, so the row-parallel
 down projection can still be quantized to int4 (groups of 32 inputs).
 
@@ -35,6 +41,12 @@ if TYPE_CHECKING:
     from radixlm.runtime.models.config import ModelConfig
 
 QUANT_GROUP = 32
+_MLA_ROWS = {  # latent attention's per-head projections -> each head's rows (o_proj: columns)
+    "self_attn.q_proj": lambda cfg: cfg.mla.qk_head_dim,
+    "self_attn.q_b_proj": lambda cfg: cfg.mla.qk_head_dim,
+    "self_attn.kv_b_proj": lambda cfg: cfg.mla.qk_nope_head_dim + cfg.mla.v_head_dim,
+    "self_attn.o_proj": lambda cfg: cfg.mla.v_head_dim,
+}
 _MLP_PART = re.compile(r"^(mlp|mlp\.shared_experts|mlp\.experts\.\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
@@ -97,6 +109,8 @@ def plan_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} is outside a group of size {size}")
     heads, kv = cfg.num_heads, cfg.num_kv_heads
+    if cfg.mla is not None and size > heads:
+        raise ValueError(f"tp_size {size} (--tp-size) is larger than the {heads} attention heads a latent-attention model splits across ranks")
     group = heads // kv
     if kv >= size:
         kv_range = _split(kv, size, rank)
@@ -137,6 +151,9 @@ def shard_rows(shard: TPShard, cfg: ModelConfig, hf_module: str) -> tuple[int, i
     ``hf_module`` is the Hugging Face module name without layer prefix or ``.weight``/``.bias``
     (``self_attn.q_proj``, ``mlp.down_proj``, ``embed_tokens``, ``lm_head``, …).
     """
+    if cfg.mla is not None and hf_module in _MLA_ROWS:
+        per_head = _MLA_ROWS[hf_module](cfg)
+        return (1 if hf_module == "self_attn.o_proj" else 0), shard.heads[0] * per_head, shard.heads[1] * per_head
     d = cfg.head_dim
     if hf_module == "self_attn.q_proj":
         return 0, shard.heads[0] * d, shard.heads[1] * d

@@ -34,6 +34,7 @@ class AttentionBackend(ABC):
     """Computes attention for a ForwardBatch over the paged KV pool."""
 
     captures_decode = False  # True for a DecodeCapturingBackend (its decode steps can be CUDA graphs)
+    latent_kv = False  # True where it serves a latent pool (MLA): values narrower than keys, a view of them
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -44,7 +45,9 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, spec: AttentionSpec | None = None
     ) -> torch.Tensor:
         """Store ``k``/``v`` ``[T, Hkv, D]`` in the pool and attend ``q`` ``[T, H, D]`` as ``spec``
-        says (None: plain causal attention at ``D ** -0.5``); returns ``[T, H*D]``."""
+        says (None: plain causal attention at ``D ** -0.5``); returns ``[T, H*D]``. A backend with
+        ``latent_kv`` also takes ``v`` ``[T, Hkv, Dv]`` narrower than ``k`` (over a latent pool:
+        ``k``'s first ``Dv`` columns) and returns ``[T, H*Dv]``."""
 
 
 class DecodeCapturingBackend(AttentionBackend):

@@ -1,7 +1,9 @@
 """The PyTorch attention backend: batched decode over the pool, and extend rows one by one.
 
 The reference the other backends are tested against, and the CPU path (its decode kernel runs
-the C++ kernels where they built; see ``radixlm.kernels.torch_decode``).
+the C++ kernels where they built; see ``radixlm.kernels.torch_decode``). It is also the one
+backend that serves a latent KV pool (DeepSeek's MLA): values narrower than keys, read as the
+first columns of the keys' rows; such layers run the PyTorch kernels, not the C++ ones.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ def _extend_entry(req_to_token: torch.Tensor, row: _ExtendRow, window: int | Non
 class TorchAttentionBackend(AttentionBackend):
     """Scaled-dot-product attention in PyTorch: batched for decode rows, per row for extends."""
 
+    latent_kv = True
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build the decode plan and the per-row extend slot lists once per batch (a sliding
         window's are built by the first layer that has it).
@@ -137,10 +141,10 @@ class TorchAttentionBackend(AttentionBackend):
         """
         pool, meta = batch.kv_pool, batch.attn_meta
         pool.write(layer, batch.out_slots, k, v)
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv = k.shape[1]
+        num_tokens, num_heads, _ = q.shape
+        num_kv, value_dim = k.shape[1], v.shape[-1]
         group = num_heads // num_kv
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, num_heads, value_dim)
         window = None if spec is None else spec.window
         how = {} if spec is None else {"scale": spec.scale, "softcap": spec.softcap, "sinks": spec.sinks}
         scales = {"k_scale": pool.k_scale[layer], "v_scale": pool.v_scale[layer]}
@@ -159,4 +163,4 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ke, ve = pool.read(layer, batch.out_slots[start : start + e] if slots is None else slots, q.dtype)
             out[start : start + e] = extend_attention(qe, ke, ve, mask, group, window=window, **how)
-        return out.view(num_tokens, num_heads * head_dim)
+        return out.view(num_tokens, num_heads * value_dim)
