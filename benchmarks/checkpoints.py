@@ -233,13 +233,13 @@ def llama_cpp(path: Path, threads: int, seqs: list[list[int]]) -> dict:
             client.post(base + "/completion", json={**body, "n_predict": 8})
             batch1 = client.post(base + "/completion", json=body).json()["timings"]["predicted_per_second"]
 
-            def one(i: int) -> None:
-                client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": 64})
+            def one(i: int, n: int) -> None:
+                client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": n})
 
             with concurrent.futures.ThreadPoolExecutor(32) as pool:
-                list(pool.map(lambda i: client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": 4}), range(32)))
+                list(pool.map(one, range(32), [4] * 32))  # warm-up
                 start = time.perf_counter()
-                list(pool.map(one, range(32)))
+                list(pool.map(one, range(32), [64] * 32))
             batch32 = 32 * 64 / (time.perf_counter() - start)
             greedy = {"n_predict": 1, "temperature": 0, "cache_prompt": True, "return_tokens": True}
             top = [[client.post(base + "/completion", json={**greedy, "prompt": s[:j]}).json()["tokens"][0] for j in range(1, len(s))] for s in seqs]
