@@ -159,7 +159,7 @@ def measure_one(path: str, threads: int) -> dict:
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 64})
     batch32 = 32 * 64 / (time.perf_counter() - start)
-    result = {"load_s": load_s, "rss_added": loaded, "weight_bytes": engine.runner.weight_bytes, "batch1": batch1, "batch32": batch32}
+    result = {"load_s": load_s, "rss_added": loaded, "weight_bytes": engine.runner.weight_bytes, "pool_bytes": engine.runner.kv_pool.nbytes(), "batch1": batch1, "batch32": batch32}
     engine.shutdown()
     return result
 
@@ -265,8 +265,8 @@ def main() -> None:
         return
     mib, start = 2**20, time.perf_counter()
     rows = [
-        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm RSS added MiB | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp | batch-32 tok/s radixlm / llama.cpp | top-1 agreement with fp32 radixlm / llama.cpp |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm KV pool MiB | radixlm RSS added MiB (/ size + pool) | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp | batch-32 tok/s radixlm / llama.cpp | top-1 agreement with fp32 radixlm / llama.cpp |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model in args.models.split(","):
         types = [t for t in GGUF_TYPES[model] if not args.types or t in args.types.split(",")]
@@ -286,7 +286,7 @@ def main() -> None:
                 cols = [f"{peer['rss'] / mib:.0f}", f"{ours['batch1']:.1f} / {peer['batch1']:.1f}", f"{ours['batch32']:.1f} / {peer['batch32']:.1f}", f"{agree:.3f} / {agreement(peer['tops'], ref_tops):.3f}"]
             else:
                 cols = ["n/a", f"{ours['batch1']:.1f} / n/a", f"{ours['batch32']:.1f} / n/a", f"{agree:.3f} / n/a"]
-            rows.append(f"| {LABELS[model]} | {s.qtype} | {size_of(s.path) / mib:.0f} | {ours['load_s']:.1f} | {ours['weight_bytes'] / mib:.0f} | {ours['rss_added'] / mib:.0f} | " + " | ".join(cols) + " |")
+            rows.append(f"| {LABELS[model]} | {s.qtype} | {size_of(s.path) / mib:.0f} | {ours['load_s']:.1f} | {ours['weight_bytes'] / mib:.0f} | {ours['pool_bytes'] / mib:.0f} | {ours['rss_added'] / mib:.0f} ({ours['rss_added'] / (size_of(s.path) + ours['pool_bytes']):.2f}) | " + " | ".join(cols) + " |")
             print(rows[-1], flush=True)
     text = "\n".join([
         "# Pre-quantized checkpoints as stored, against llama.cpp",
@@ -296,7 +296,8 @@ def main() -> None:
         "",
         *rows,
         "",
-        "RSS added: resident memory a fresh process gained while the engine loaded (weights, KV pool of 8192 tokens, allocator);",
+        "RSS added: resident memory a fresh process gained while the engine loaded (weights, KV pool of 8192 tokens, allocator),",
+        "and in brackets its ratio to the file's size plus the pool (the aim: at most 1.10);",
         "llama.cpp RSS: llama-server's whole resident memory after load (its weights are mmapped from the file).",
         "Agreement: teacher-forced top-1, over 4 prompts and the reference's 48-token greedy continuations (all positions after the first).",
         "SmolLM2's reference is each file dequantized to fp32 (radixlm's `--quantization none`: no fp32 original ships with it);",

@@ -102,7 +102,8 @@ class OutputBuilder:
             offsets = log.emit(meta, incremental=req.stream, with_tops=req.top_logprobs_num > 0)
             if finished:
                 del self._logs[req]
-        return ReqOutput(req.rid, req.text, list(req.output_ids), meta, finished, input_logprob_offset=offsets[0], output_logprob_offset=offsets[1])
+        pooled = req.pooling.result if req.pooling is not None and finished else None
+        return ReqOutput(req.rid, req.text, list(req.output_ids), meta, finished, input_logprob_offset=offsets[0], output_logprob_offset=offsets[1], pooled=pooled)
 
 
 class _TokenTexts:

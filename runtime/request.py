@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache.manager import KVState
+from radixlm.runtime.pooling import PoolingTask
 from radixlm.runtime.sampling_params import SamplingParams
 from radixlm.runtime.tokenizer import IncrementalDetokenizer
 
@@ -52,6 +53,7 @@ class ReqOutput:
     finished: bool
     input_logprob_offset: int = 0  # index (from logprob_start_len) of the first prompt entry carried
     output_logprob_offset: int = 0  # index of the output token whose entry comes first
+    pooled: list[float] | None = None  # a pooling request's answer: its embedding, or [P(yes)] for a score
 
 
 @dataclass
@@ -131,6 +133,7 @@ class Req:
     cache_info: dict[str, Any] | None = None  # the cache explanation, built at first admission
     bootstrap_room: int | None = None  # pairs the prefill and decode halves of a disaggregated request
     pd_info: dict[str, Any] | None = None  # what its KV hand-over moved (decode side)
+    pooling: PoolingTask | None = None  # set: prefill only, answer with pooled hidden states (pooling.py)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -168,6 +171,8 @@ class Req:
     def max_cacheable_prefix(self) -> int:
         """How much of the sequence may come from the cache (the token before any drafts is recomputed)."""
         limit = self.seq_len - 1 - len(self.draft_ids)
+        if self.pooling is not None and not self.pooling.reads_cache:
+            return 0  # mean pooling needs every position's hidden state: computed, never cached
         if self.needs_prompt_logprobs():
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit

@@ -4,6 +4,8 @@ A row computes positions ``start .. start + length`` of one request. Logits are 
 where needed: at the positions whose next prompt token has a requested logprob, and, for a row
 that reaches the end of its sequence, at the last ``1 + len(draft_ids)`` positions (the one
 before each unverified draft token, and the last one, which picks the next token).
+A pooling row (``runtime/pooling.py``) asks for final hidden states instead: every position it
+computes (mean), or its prompt's last one (last); a score row, for that position's logits.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class LogitSpans:
 
     prompt: list[tuple[Row, int, int, int]] = field(default_factory=list)  # row, first logit, first position, count
     picks: list[tuple[Row, int, int]] = field(default_factory=list)  # row, first logit, count
+    pooled: list[tuple[Row, int, int]] = field(default_factory=list)  # row, first hidden state (of batch.hidden_indices), count
+    scores: list[tuple[Row, int]] = field(default_factory=list)  # row, logit of its prompt's last position
 
 
 def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> tuple[ForwardBatch, LogitSpans]:
@@ -41,7 +45,7 @@ def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> 
     rows.sort(key=lambda r: r.length != 1)
     device = runner.device
     ids: list[int] = []
-    positions, out_slots, logit_rows = [], [], []
+    positions, out_slots, logit_rows, hidden_rows = [], [], [], []
     spans = LogitSpans()
     n_tokens = 0
     for row in rows:
@@ -60,6 +64,8 @@ def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> 
             count = 1 + len(req.draft_ids)
             spans.picks.append((row, len(logit_rows), count))
             logit_rows.extend(range(n_tokens + row.length - count, n_tokens + row.length))
+        if req.pooling is not None:
+            _pooling_rows(row, n_tokens, spans, logit_rows, hidden_rows)
         n_tokens += row.length
     batch = ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
@@ -73,5 +79,23 @@ def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> 
         req_to_token=kv.table.table,
         kv_pool=runner.kv_pool,
         attn_backend=runner.attn_backend,
+        hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
     )
     return batch, spans
+
+
+def _pooling_rows(row: Row, n_tokens: int, spans: LogitSpans, logit_rows: list[int], hidden_rows: list[int]) -> None:
+    """Ask for what a pooling row needs: hidden states (all its positions for mean, the prompt's
+    last for last) or, for a score, the prompt's last position's logits."""
+    task, end = row.req.pooling, row.start + row.length
+    last = n_tokens + row.length - 1
+    if task.mode == "score":
+        if end == row.req.seq_len:
+            spans.scores.append((row, len(logit_rows)))
+            logit_rows.append(last)
+    elif task.mode == "mean":
+        spans.pooled.append((row, len(hidden_rows), row.length))
+        hidden_rows.extend(range(n_tokens, n_tokens + row.length))
+    elif end == row.req.seq_len:
+        spans.pooled.append((row, len(hidden_rows), 1))
+        hidden_rows.append(last)

@@ -64,6 +64,8 @@ class ServerArgs:
     disaggregation_bootstrap: str | None = _opt(None, "With --disaggregation-mode: HOST:PORT of the KV link; the prefill worker listens there, the decode worker connects there.")
     disaggregation_secret_file: str | None = _opt(None, "With --disaggregation-mode: a file of this user's (mode 600) holding the secret both workers sign the KV link's records with. Default: $RADIXLM_KV_SECRET; else, on a loopback bootstrap, a per-user file in the radixlm cache; required beyond loopback.")
     disaggregation_timeout: float = _opt(60.0, "Seconds one side of a prefill/decode pair waits for the other's half of a request before failing it.")
+    pooling: str | None = _opt(None, "How /v1/embeddings and Engine.embed pool the final hidden states: last (the last prompt token's) or mean (every prompt token's; reads nothing from the radix cache). Default: what the model folder's sentence-transformers files say (modules.json, 1_Pooling/config.json), else last. See docs/embeddings.md.", choices=[None, "last", "mean"])
+    matryoshka_dims: str | None = _opt(None, "Embedding sizes a request's dimensions may ask for (Matryoshka: the first d entries, renormalised): any (every size up to the hidden size) or a comma-separated list. Default: what config.json says (matryoshka_dimensions, or is_matryoshka: true for any), else none.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
     debug_fault_injection: bool = _opt(False, "Test only: a request whose rid starts with fault-<stage>- fails at that stage (admit, grammar, sample, forward, output, nan).")
@@ -115,6 +117,9 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._validate_speculative()
         self._validate_disaggregation()
+        dims = self.matryoshka_dims
+        if dims is not None and dims.strip().lower() != "any" and not all(p.strip().isdigit() and int(p) > 0 for p in dims.split(",")):
+            raise ValueError(f"matryoshka_dims must be 'any' or a comma-separated list of positive integers, got {dims!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

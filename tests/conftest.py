@@ -121,6 +121,52 @@ def keyed_server(tiny_llama: str):
     assert server.stop() == 0, "the keyed server did not exit cleanly"
 
 
+RESPONSES_STORED = 6  # the store bound of ``responses_server`` (small, so eviction shows fast)
+
+
+@pytest.fixture(scope="module")
+def responses_server(tiny_llama: str):
+    """``radixlm serve`` of the tiny Llama with the API key API_KEY and a response store of
+    RESPONSES_STORED responses (served as "tiny"), for the Responses API's tests."""
+    from helpers import ServerProcess
+
+    env = {"RADIXLM_API_KEY": API_KEY, "RADIXLM_RESPONSES_MAX_STORED": str(RESPONSES_STORED)}
+    server = ServerProcess(tiny_llama, "--max-total-tokens", "4096", "--served-model-name", "tiny", env=env)
+    yield server
+    assert server.stop() == 0, "the Responses server did not exit cleanly"
+
+
+@pytest.fixture(scope="session")
+def thinker_model(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model's folder with a chat template that opens a reasoning section (``THINK_TEMPLATE``)."""
+    import json
+    import shutil
+
+    from helpers import THINK_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("thinker") / "model"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINK_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def thinker_url(thinker_model: str):
+    """The URL of an in-process server (no key) whose tiny model's template opens a reasoning section."""
+    from helpers import ServerThread
+    from radixlm.runtime.engine import Engine
+    from radixlm.runtime.entrypoints.http.server import create_app
+
+    engine = Engine(model_path=thinker_model, max_total_tokens=4096)
+    server = ServerThread(create_app(engine, served_model_name="thinker")).start()
+    yield server.url
+    server.stop()
+    engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def smollm2_server(smollm2_path: str):
     """``radixlm serve`` of the embedded SmolLM2 in a child process (for outputs that must make sense)."""
@@ -129,3 +175,16 @@ def smollm2_server(smollm2_path: str):
     server = ServerProcess(smollm2_path)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_pooling_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen3 checkpoint whose tokenizer holds "yes" and "no" as single tokens
+    (embeddings, and rerank/score in Qwen3-Reranker's way)."""
+    from transformers import AutoTokenizer
+
+    folder = make_tiny_model("qwen3", tmp_path_factory.mktemp("tiny_pooling") / "qwen3")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_tokens(["yes", "no"])  # ids past the trained vocabulary, inside the model's (3 spare rows)
+    tok.save_pretrained(folder)
+    return folder

@@ -20,6 +20,12 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+
+THINK_TEMPLATE = (  # DeepSeek-R1 style: the generation prompt opens the reasoning; earlier answers lose theirs
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ (message['content'] or '').split('</think>')[-1] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Radix trees share prefixes; caches reuse keys and values.",
@@ -553,7 +559,7 @@ class FakeWorker:
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings", "/v1/rerank", "/v1/score"):
             app.add_api_route(path, generate, methods=["POST"])
 
         @app.get("/metrics")

@@ -4,7 +4,6 @@ not), constraints apply to the answer after it, ``max_reasoning_tokens`` bounds 
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import jsonschema
@@ -13,15 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import CHAT_TEMPLATE, ServerThread, accepts_text, grammar_backends, tokenizer_parts
+from helpers import (
+    CHAT_TEMPLATE,
+    THINK_TEMPLATE,
+    ServerThread,
+    accepts_text,
+    grammar_backends,
+    tokenizer_parts,
+)
 from radixlm.runtime.entrypoints.openai import reasoning
 from radixlm.runtime.entrypoints.openai.reasoning import ReasoningFormat
 
-# DeepSeek-R1 style: the generation prompt opens the reasoning; earlier answers lose theirs
-THINK_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'].split('</think>')[-1] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-)
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["name", "age"]}
 OPENED, CLOSED = ReasoningFormat(started=True), ReasoningFormat()
 
@@ -95,18 +96,12 @@ def test_max_reasoning_tokens_forces_the_closing_marker(llg):
 
 # ------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
-def thinker(tiny_llama, tmp_path_factory):
+def thinker(thinker_model):
     """An OpenAI client of an in-process server whose tiny model's template opens a reasoning section."""
     from radixlm.runtime.engine import Engine
     from radixlm.runtime.entrypoints.http.server import create_app
 
-    folder = tmp_path_factory.mktemp("thinker") / "model"
-    shutil.copytree(tiny_llama, folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINK_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
-    engine = Engine(model_path=str(folder), max_total_tokens=4096)
+    engine = Engine(model_path=thinker_model, max_total_tokens=4096)
     server = ServerThread(create_app(engine, served_model_name="thinker")).start()
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0), engine.tokenizer
     server.stop()

@@ -118,6 +118,25 @@ def test_routing_text_of_each_route():
     assert routing_text("/v1/chat/completions", chat) == "system: S\nuser: U"
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert routing_text("/v1/chat/completions", {**chat, "tools": tools}).startswith(json.dumps(tools, sort_keys=True) + "\n")
+    messages = {"system": "S", "messages": [{"role": "user", "content": [{"type": "text", "text": "U"}]}]}
+    assert routing_text("/v1/messages", messages) == routing_text("/v1/messages/count_tokens", messages) == "system: S\nuser: U"
+    assert routing_text("/v1/embeddings", {"input": ["doc one", "doc two"]}) == "doc one"
+    assert routing_text("/v1/rerank", {"query": "Q", "documents": ["d"]}) == routing_text("/v1/score", {"text_1": "Q", "text_2": ["d"]}) == "Q"
+
+
+def test_anthropic_messages_and_pooling_routes_go_through_the_router_by_prefix(fakes):
+    system = "You are a coding agent with a long system prompt. " * 4
+    with router_over(fakes) as (url, _), httpx.Client(base_url=url, timeout=10) as c:
+        owner = _served_by(c.post("/v1/messages", json={"system": system, "messages": [{"role": "user", "content": "turn 1"}], "max_tokens": 4}))
+        _served_by(c.post("/v1/messages", json={"system": "A different agent entirely. " * 4, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}))
+        for turn in range(2, 5):
+            assert _served_by(c.post("/v1/messages", json={"system": system, "messages": [{"role": "user", "content": f"turn {turn}"}], "max_tokens": 4})) == owner
+        assert _served_by(c.post("/v1/messages/count_tokens", json={"system": system, "messages": []})) == owner
+        doc = "A document about radix trees and prefix caches. " * 3
+        first = _served_by(c.post("/v1/embeddings", json={"input": doc + "1"}))
+        assert _served_by(c.post("/v1/embeddings", json={"input": [doc + "2"]})) == first
+        for path in ("/v1/rerank", "/v1/score"):
+            assert _served_by(c.post(path, json={"query": doc, "text_1": doc, "documents": ["d"], "text_2": ["d"]})) in ("a", "b")
 
 
 def test_cache_aware_prefers_the_match_then_the_smallest_tree_and_balances_when_imbalanced():
@@ -370,6 +389,9 @@ def test_an_api_key_is_required_of_clients_and_sent_on_the_routers_own_calls(fak
         assert a.requests == b.requests == []
         key = {"Authorization": "Bearer k"}
         assert c.post("/generate", json={"text": "x"}, headers=key).status_code == 200
+        assert c.post("/v1/messages", json={"messages": []}, headers={"x-api-key": "k"}).status_code == 200, "Anthropic's clients send the key as x-api-key"
+        assert c.post("/v1/messages", json={"messages": []}, headers={"x-api-key": "wrong"}).status_code == 401
+        assert c.post("/v1/messages", json={"messages": []}, headers={"x-api-key": "k", "Authorization": "Bearer wrong"}).status_code == 401, "a Bearer header, when sent, decides"
         assert c.get("/metrics", headers=key).status_code == 200
         assert a.metrics_auth == b.metrics_auth == "Bearer k"
 
@@ -428,6 +450,17 @@ def test_pd_decode_error_cancels_prefill(fakes, stream):
         resp = c.post("/generate", json={"text": "hi", "stream": stream})
         assert resp.status_code == 400 and resp.json()["message"] == "b says 400"
         wait_until(lambda: prefill.disconnects == ["/generate"], 5, "the prefill call to be cancelled")
+
+
+def test_pd_refuses_pooling_routes_with_a_400_and_sends_nothing(fakes):
+    prefill, decode = fakes
+    with pd_router(fakes) as (c, _):
+        for path in ("/v1/embeddings", "/v1/rerank", "/v1/score"):
+            resp = c.post(path, json={"input": "x"})
+            assert resp.status_code == 400 and path in resp.json()["message"], resp.text
+        assert prefill.requests == decode.requests == []
+        resp = c.post("/v1/messages", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert resp.status_code == 200 and resp.json()["bootstrap_room"] is not None, "Anthropic messages go to the pair like chat"
 
 
 def test_pd_refuses_while_a_worker_is_unhealthy(fakes):
@@ -508,6 +541,15 @@ def test_end_to_end_over_two_in_process_engines(tiny_llama):
             again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
             assert first.choices[0].text == again.choices[0].text
             assert again.usage.prompt_tokens_details.cached_tokens > 0, "the repeat must reach the worker that cached it"
+            import anthropic
+
+            claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+            turn = {"model": "tiny", "system": prompt, "max_tokens": 4, "extra_body": {"temperature": 0}}  # the SDK (2.x) has no sampling arguments
+            claude.messages.create(**turn, messages=[{"role": "user", "content": "first"}])
+            again_m = claude.messages.create(**turn, messages=[{"role": "user", "content": "second"}])
+            assert again_m.usage.cache_read_input_tokens > 0, "an agent's next turn must reach the worker holding its prefix"
+            vectors = client.embeddings.create(model="tiny", input=[prompt, "another"])
+            assert len(vectors.data) == 2 and len(vectors.data[0].embedding) == engines[0].config.hidden_size
             # the tiny model makes ~1000 tokens/s: the steps taken, not the time, tell an abort
             steps = lambda: sum(e.get_stats()["forward_passes"] for e in engines)  # noqa: E731
             before = steps()

@@ -16,6 +16,7 @@ from typing import Any
 
 from radixlm.radix_cache.snapshot import snapshot_tree
 from radixlm.runtime.engine.loop import EngineLoop
+from radixlm.runtime.engine.pooling import PoolingIntake
 from radixlm.runtime.engine.requests import RequestIntake, split_batch
 from radixlm.runtime.engine.results import (
     async_sink,
@@ -32,8 +33,9 @@ from radixlm.runtime.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-class Engine(RequestIntake):
-    """An in-process radixlm runtime: ``generate`` / ``async_generate`` over a batching loop.
+class Engine(PoolingIntake, RequestIntake):
+    """An in-process radixlm runtime: ``generate`` / ``async_generate`` over a batching loop
+    (and ``embed`` / ``score`` for pooling, ``runtime/engine/pooling.py``).
 
     The model is loaded on the loop thread and every tensor operation runs there: on CPUs, a
     second thread that has run parallel (OpenMP) work keeps its own thread team, and the two

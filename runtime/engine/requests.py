@@ -14,6 +14,7 @@ from radixlm.runtime.cache_control import check_cache_options
 from radixlm.runtime.constrained.base import Matcher
 from radixlm.runtime.constrained.budget import BudgetMatcher, CloseVocab
 from radixlm.runtime.engine.assembly import EngineParts
+from radixlm.runtime.pooling import PoolingTask
 from radixlm.runtime.request import Req, ReqOutput
 from radixlm.runtime.sampling_params import SamplingParams, per_sample_params
 from radixlm.runtime.server_args import ServerArgs
@@ -60,6 +61,7 @@ class RequestIntake:
         retention: list[tuple[int, float]] | None = None,
         prediction: str | dict[str, Any] | None = None,
         bootstrap_room: int | None = None,
+        pooling: PoolingTask | None = None,
     ) -> Req:
         """Validate one request and build its Req (raises ValueError naming the bad argument).
 
@@ -74,6 +76,8 @@ class RequestIntake:
         ``bootstrap_room``: on one side of a prefill/decode pair, the id that pairs this request
         with its other half (the router sets it): the prefill side only computes the prompt, the
         decode side takes the prompt's KV from it.
+        ``pooling``: the request only prefills and answers with pooled hidden states or a score
+        (``runtime/pooling.py``); its sampling parameters are ignored.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -95,6 +99,10 @@ class RequestIntake:
             raise ValueError(f"prompt is {len(input_ids)} tokens; the context length is {self.context_len} (prompt must be shorter)")
         if len(input_ids) + 1 > self.runner.max_total_tokens:
             raise ValueError(f"prompt is {len(input_ids)} tokens; the KV pool holds only {self.runner.max_total_tokens}")
+        if pooling is not None:
+            if self.pd is not None or bootstrap_room is not None:
+                raise ValueError("pooling requests do not run on a prefill/decode (disaggregated) server")
+            sampling_params = {"max_new_tokens": 0}
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params, self.config.vocab_size, self.context_len)
         params = self._check_bootstrap_room(bootstrap_room, params)
         if not isinstance(return_logprob, bool):
@@ -129,6 +137,7 @@ class RequestIntake:
             return_cache_info=return_cache_info,
             retention=hints,
             bootstrap_room=bootstrap_room,
+            pooling=pooling,
         )
         if predicted:
             # indexed on the loop thread at the first step: bounded by what the output can use

@@ -194,12 +194,16 @@ class ModelRunner:
             raise self.driver.error_from(exc) from exc
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        if self.decode_graphs is not None:
+        """Logits of ``batch.logits_indices``; where ``batch.hidden_indices`` is given, those
+        tokens' final hidden states land in ``batch.hidden_out`` (a captured graph keeps none)."""
+        if self.decode_graphs is not None and batch.hidden_indices is None:
             logits = self.decode_graphs.run(batch)
             if logits is not None:
                 return logits
         self.attn_backend.init_forward_metadata(batch)
         hidden = self.model(batch)
+        if batch.hidden_indices is not None:
+            batch.hidden_out = hidden.index_select(0, batch.hidden_indices).float()
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.config.vocab_size), dtype=torch.float32)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -49,6 +49,8 @@ class ForwardBatch:
     attn_backend: BatchAttention
     attn_meta: Any = field(default=None)
     inject_worker_fault: bool = False  # test only (--debug-fault-injection): tensor-parallel workers raise in this pass
+    hidden_indices: torch.Tensor | None = None  # token indices whose final hidden states pooling requests want (rank 0 only)
+    hidden_out: torch.Tensor | None = None  # set by the runner: fp32 [len(hidden_indices), hidden] of those tokens
 
     @property
     def batch_size(self) -> int:

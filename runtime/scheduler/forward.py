@@ -9,9 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
+from radixlm.runtime import pooling
 from radixlm.runtime.faults import FatalEngineError
+from radixlm.runtime.layers.forward_batch import ForwardBatch
 from radixlm.runtime.request import FinishReason
-from radixlm.runtime.schedule_batch import Row, build_forward_batch
+from radixlm.runtime.schedule_batch import LogitSpans, Row, build_forward_batch
 from radixlm.runtime.scheduler.finish import Finishing
 from radixlm.runtime.scheduler.state import MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY
 
@@ -72,6 +76,8 @@ class ForwardPass(Finishing):
         self.prefill_tokens += len(batch.input_ids) - batch.num_decode
         for row in rows:
             self.kv.mark_computed(row.req.kv, row.start + row.length)
+        if spans.pooled or spans.scores:
+            self._pool(batch, spans, logits)
         for req, reason in self.decoder.process(logits, spans):
             self.running.remove(req)
             self.finish(req, reason)
@@ -82,6 +88,25 @@ class ForwardPass(Finishing):
                 if self.kv_window is not None:  # before the prompt is shared: a row with holes is not
                     self.kv.slide(req.kv, self.kv_window)
         return rows
+
+    def _pool(self, batch: ForwardBatch, spans: LogitSpans, logits: torch.Tensor) -> None:
+        """Hand pooling rows their hidden states (or score logits); a row that ends its prompt
+        gets its answer. A failure here fails that request alone."""
+        for row, first, count in spans.pooled:
+            req = row.req
+            try:
+                pooling.gather(req.pooling, batch.hidden_out[first : first + count], first=row.start == 0)
+                if row.start + row.length == req.seq_len:
+                    pooling.finish(req.pooling, None)
+            except Exception as exc:
+                logger.exception("pooling request %s failed", req.rid)
+                self.fail(req, f"pooling failed: {exc}")
+        for row, index in spans.scores:
+            try:
+                pooling.finish(row.req.pooling, logits[index])
+            except Exception as exc:
+                logger.exception("scoring request %s failed", row.req.rid)
+                self.fail(row.req, f"scoring failed: {exc}")
 
     def _speculate(self) -> None:
         """Give the decoding requests without drafts their next speculative drafts (if gated in)."""

@@ -1,7 +1,8 @@
 """The HTTP front's gate, a pure ASGI middleware: the Host allow-list, the API and admin keys,
 cross-site refusals, the shutting-down 503 and the body limit.
 
-Keys come in the ``Authorization: Bearer`` header: the API key lets a caller use the server, the
+Keys come in the ``Authorization: Bearer`` header (or, without one, ``x-api-key``, as Anthropic's
+clients send them): the API key lets a caller use the server, the
 admin key (``--admin-api-key``) also lets it see and act across tenants (``tenancy``). A browser,
 which cannot send that header when it opens a page, opens ``/dashboard?key=<key>`` once and gets
 an HttpOnly cookie holding a derived, expiring token valid for the dashboard's routes only
@@ -33,6 +34,7 @@ _OPEN_PATHS = ("/health",)
 _DASHBOARD = "/dashboard"
 TOKEN_COOKIE = "radixlm_dashboard"  # set by GET /dashboard?key=<key>: a derived token, never the key
 CACHE_SALT_HEADER = "x-cache-salt"  # names the caller's tenant on routes without a body
+API_KEY_HEADER = b"x-api-key"  # the key as Anthropic's clients send it (when there is no Bearer header)
 _KEY_IN_QUERY = re.compile(r"([?&]key=)[^&\s\"]*")
 
 
@@ -76,11 +78,12 @@ def _matches(given: bytes | str, key: str | None) -> bool:
 
 
 def _bearer_level(scope: dict[str, Any], state: ServerState) -> str | None:
-    """``admin`` or ``user`` for a Bearer header carrying a key, else None."""
+    """``admin`` or ``user`` for a Bearer header, or else an ``x-api-key`` header (Anthropic's
+    clients send the key there), carrying a key; else None."""
     given = _header(scope, b"authorization") or b""
-    if not given.startswith(b"Bearer "):
+    token = given[len(b"Bearer ") :] if given.startswith(b"Bearer ") else _header(scope, API_KEY_HEADER)
+    if token is None:
         return None
-    token = given[len(b"Bearer ") :]
     if _matches(token, state.admin_key):
         return "admin"
     if _matches(token, state.api_key):
@@ -142,7 +145,7 @@ class Guard:
                 return
             if level is None:
                 hint = " or open /dashboard?key=<key> once" if _is_dashboard(path) else ""
-                await _answer(send, 401, f"missing or invalid API key (send 'Authorization: Bearer <key>'{hint})", [(b"www-authenticate", b"Bearer")])
+                await _answer(send, 401, f"missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>'{hint})", [(b"www-authenticate", b"Bearer")])
                 return
         elif state.admin_key is not None and await _dashboard_login(scope, send, state):
             return

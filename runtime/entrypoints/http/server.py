@@ -64,9 +64,12 @@ def create_app(
     allowed_origins: list[str] | tuple[str, ...] = (),
 ) -> FastAPI:
     """The FastAPI app serving ``engine`` (docs/security.md says what each key and list opens)."""
+    from radixlm.runtime.entrypoints.anthropic import routes as anthropic_routes
     from radixlm.runtime.entrypoints.dashboard import routes as dashboard
     from radixlm.runtime.entrypoints.http import cache_routes
     from radixlm.runtime.entrypoints.openai import routes as openai_routes
+    from radixlm.runtime.entrypoints.pooling import routes as pooling_routes
+    from radixlm.runtime.entrypoints.responses import routes as responses_routes
 
     if api_key is not None and admin_api_key is not None and hmac.compare_digest(api_key, admin_api_key):
         raise ValueError("--admin-api-key must differ from --api-key (the admin key opens every tenant's data)")
@@ -84,10 +87,13 @@ def create_app(
     app.state.radixlm = state
     app.add_middleware(Guard, state=state)
     if origins.allowed_origins:  # outermost: preflights are answered before the key is asked for
-        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins.allowed_origins), allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type", CACHE_SALT_HEADER])
+        app.add_middleware(CORSMiddleware, allow_origins=sorted(origins.allowed_origins), allow_methods=["GET", "POST", "DELETE"], allow_headers=["Authorization", "Content-Type", CACHE_SALT_HEADER, "x-api-key", "anthropic-version"])
     _add_error_handlers(app)
     _add_native_routes(app, state)
     openai_routes.add_routes(app, state)
+    pooling_routes.add_routes(app, state)  # /v1/embeddings, /v1/rerank, /v1/score (docs/embeddings.md)
+    responses_routes.add_routes(app, state)  # /v1/responses: OpenAI's Responses API and its store
+    anthropic_routes.add_routes(app, state)  # /v1/messages: Anthropic's API, errors in its shape
     cache_routes.add_routes(app, state)
     dashboard.add_routes(app, state)
     return app

@@ -39,7 +39,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
         return await _run(state, request, await asyncio.to_thread(plan_chat, state, body))
 
 
-async def _start(ticket: Ticket, plan: Plan) -> list[tuple[int, Any, Any]]:
+async def start_plan(ticket: Ticket, plan: Plan) -> list[tuple[int, Any, Any]]:
     """Queue ``n`` requests per prompt; returns (choice index, req, queue) triples."""
     started: list[tuple[int, Any, Any]] = []
     for p_i, ids in enumerate(plan.prompts):
@@ -102,7 +102,7 @@ async def _run(state: ServerState, request: Request, plan: Plan) -> Response:
     ticket = Ticket(state, total, [], "n" if plan.n > 1 or len(plan.prompts) == 1 else "prompt")
     handed_off = False
     try:
-        started = await _start(ticket, plan)
+        started = await start_plan(ticket, plan)
         if plan.stream:
             response = stream_response(stream_events(ticket, plan, started), ticket.close)
             handed_off = True

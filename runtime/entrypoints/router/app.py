@@ -31,7 +31,8 @@ from radixlm.runtime.entrypoints.router.upstream import passthrough, read_raw, r
 from radixlm.runtime.entrypoints.router.workers import Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
-GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens")
+POOLING_PATHS = ("/v1/embeddings", "/v1/rerank", "/v1/score")  # one worker each; a prefill/decode pair does not pool
 _INFO_TIMEOUT = 10.0  # seconds for a worker's info, models or metrics
 
 
@@ -107,12 +108,22 @@ def _add_generate_routes(app: FastAPI, state: RouterState) -> None:
             return error_response(503, "the router is shutting down")
         raw, body = await read_body(request)
         path = request.url.path
-        if state.config.pd_disaggregation:
+        if state.config.pd_disaggregation and path != "/v1/messages/count_tokens":
             return await pd_forward(state, request, path, body)
         return await forward(state, request, path, raw, body)
 
+    async def pool(request: Request) -> Response:
+        if state.shutting_down:
+            return error_response(503, "the router is shutting down")
+        if state.config.pd_disaggregation:
+            return error_response(400, f"{request.url.path} is not served by a prefill/decode pair: serve a model for pooling on its own")
+        raw, body = await read_body(request)
+        return await forward(state, request, request.url.path, raw, body)
+
     for path in GENERATE_PATHS:
         app.add_api_route(path, generate, methods=["POST"])
+    for path in POOLING_PATHS:
+        app.add_api_route(path, pool, methods=["POST"])
 
 
 async def _each(state: RouterState, method: str, path: str, workers: list[Worker], **kwargs: Any) -> list[httpx.Response | Exception]:

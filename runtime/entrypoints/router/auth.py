@@ -39,6 +39,15 @@ class RequireKey:
     def __init__(self, app: Any, keys: tuple[str, ...] = (), origins: OriginPolicy | None = None) -> None:
         self.app, self.keys, self.origins = app, tuple(k for k in keys if k), origins or OriginPolicy()
 
+    def _has_key(self, scope: dict[str, Any]) -> bool:
+        """Whether the Bearer header (or, without one, Anthropic's ``x-api-key``) holds a key."""
+        bearer = _header(scope, b"authorization")
+        if bearer is not None:
+            given, expected = bearer.encode("latin-1"), [f"Bearer {k}".encode() for k in self.keys]
+        else:
+            given, expected = (_header(scope, b"x-api-key") or "").encode("latin-1"), [k.encode() for k in self.keys]
+        return any(hmac.compare_digest(given, e) for e in expected)
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
@@ -47,9 +56,8 @@ class RequireKey:
         if refused is not None:
             return await _refuse(send, 403, refused)
         if self.keys and scope.get("path") not in _OPEN_PATHS:
-            given = (_header(scope, b"authorization") or "").encode("latin-1")
-            if not any(hmac.compare_digest(given, f"Bearer {k}".encode()) for k in self.keys):
-                return await _refuse(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
+            if not self._has_key(scope):
+                return await _refuse(send, 401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)")
         length = _header(scope, b"content-length")
         announced = (length is not None and length.isdigit() and int(length) > 0) or _header(scope, b"transfer-encoding") is not None
         unsafe = self.origins.check_unsafe(scope.get("method", "GET"), _header(scope, b"content-type"), _header(scope, b"origin"), host, scope.get("scheme", "http"), has_body=announced)

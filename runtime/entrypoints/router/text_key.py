@@ -24,16 +24,30 @@ def _ids_text(ids: Any) -> str:
     return ",".join(str(i) for i in ids) + "," if isinstance(ids, list) else ""
 
 
+def _message_lines(body: dict[str, Any], system: Any = None) -> str:
+    """The tools' JSON, the system text (Anthropic's top-level ``system``), then one
+    ``role: content`` line per message."""
+    lines = [json.dumps(body["tools"], sort_keys=True)] if body.get("tools") else []
+    if system is not None:
+        lines.append(f"system: {_content_text(system)}")
+    for m in body.get("messages") or []:
+        if isinstance(m, dict):
+            lines.append(f"{m.get('role', '')}: {_content_text(m.get('content'))}")
+    return "\n".join(lines)
+
+
 def routing_text(path: str, body: dict[str, Any]) -> str:
-    """``/generate``: text (or input_ids joined); ``/v1/completions``: prompt; chat: the tools'
-    JSON then one ``role: content`` line per message."""
+    """``/generate``: text (or input_ids joined); ``/v1/completions``: prompt; chat and Anthropic
+    messages: the tools' JSON then one ``role: content`` line per message; embeddings: the (first)
+    input; rerank and score: the query, which every pair starts from."""
     if path == "/v1/chat/completions":
-        lines = [json.dumps(body["tools"], sort_keys=True)] if body.get("tools") else []
-        for m in body.get("messages") or []:
-            if isinstance(m, dict):
-                lines.append(f"{m.get('role', '')}: {_content_text(m.get('content'))}")
-        return "\n".join(lines)
-    key = "prompt" if path == "/v1/completions" else "text"
+        return _message_lines(body)
+    if path.startswith("/v1/messages"):
+        return _message_lines(body, body.get("system"))
+    if path in ("/v1/rerank", "/v1/score"):
+        query = body.get("query", body.get("text_1"))
+        return _content_text(_first(query)) if query is not None else ""
+    key = {"/v1/completions": "prompt", "/v1/embeddings": "input"}.get(path, "text")
     value = _first(body.get(key))
     if isinstance(value, str):
         return value
