@@ -214,8 +214,8 @@ class Decoder:
 
     def _may_mask_lazily(self, req: Req) -> bool:
         """True when ``req``'s next token may be picked before its grammar mask (module doc)."""
-        if req.grammar is None or self.args.grammar_mask != "lazy" or not exact_without_mask(req.params):
-            return False
+        if req.grammar is None or req.beam_round or self.args.grammar_mask != "lazy" or not exact_without_mask(req.params):
+            return False  # a beam's step needs the mask: its candidates are the allowed tokens
         if self.faults is not None:
             self.faults.check(req.rid, "grammar")
         # Where text is forced, llguidance's mask keeps only its canonical tokens while the grammar
@@ -260,7 +260,7 @@ class Decoder:
         banned: tuple | list = ()
         if len(output_ids) < req.params.min_new_tokens and req.grammar is None:
             banned = sorted((set() if req.params.ignore_eos else self.end_ids) | set(req.params.stop_token_ids))
-        return SamplingRow(req.params, req.input_ids, output_ids, req.generator, banned, req.return_logprob, req.top_logprobs_num)
+        return SamplingRow(req.params, req.input_ids, output_ids, req.generator, banned, req.return_logprob, req.top_logprobs_num, masked_tops=req.beam_round)
 
     def _unpack(self, rows: list[torch.Tensor | None]) -> torch.Tensor:
         """Bitmask rows (None: unconstrained) as one bool mask ``[B, V]`` on the logits' device:
@@ -416,7 +416,7 @@ class Decoder:
 
     def propose_initial_drafts(self, req: Req) -> None:
         """Drafts for text the grammar forces before anything is generated."""
-        if req.grammar is not None and not self.args.disable_jump_forward and not req.output_ids:
+        if req.grammar is not None and not self.args.disable_jump_forward and not req.output_ids and not req.beam_round:
             self._propose_drafts(req)
 
     def _check_finish(self, req: Req, token: int | None) -> FinishReason | None:

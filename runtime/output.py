@@ -79,6 +79,11 @@ class OutputBuilder:
         }
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival
+        if req.admitted_at is not None:
+            meta["queue_time"] = req.admitted_at - req.arrival
+        meta["priority"] = req.priority
+        if req.preemptions:
+            meta["preemptions"] = req.preemptions
         if req.spec_verify_passes:
             meta["spec_verify_passes"] = req.spec_verify_passes
             meta["spec_draft_tokens"] = req.spec_draft_tokens

@@ -112,6 +112,7 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    admitted_at: float | None = None  # when it was first admitted (its queue time ends)
     abort_requested: bool = False
     grammar: Any = None  # the constraint's Matcher, if any
     constraint_warnings: tuple[str, ...] = ()  # what the constraint does not enforce (an unknown format, ...)
@@ -134,6 +135,13 @@ class Req:
     bootstrap_room: int | None = None  # pairs the prefill and decode halves of a disaggregated request
     pd_info: dict[str, Any] | None = None  # what its KV hand-over moved (decode side)
     pooling: PoolingTask | None = None  # set: prefill only, answer with pooled hidden states (pooling.py)
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
+    lora_key: str | None = None  # what the radix cache keys that adapter's KV by (LoraPool.cache_key)
+    priority: int = 0  # its class under --schedule-policy priority: smaller is more urgent
+    run_class: int | None = None  # the class it was last admitted at (its priority, or better by aging)
+    queued_at: float = 0.0  # when it last joined the waiting queue (monotonic; aging counts from it)
+    preemptions: int = 0  # times a more urgent request took its place
+    beam_round: bool = False  # one beam's step of a beam search: top logprobs over what its grammar allows, no drafts
 
     @property
     def fill_ids(self) -> list[int]:
@@ -142,11 +150,13 @@ class Req:
 
     @property
     def cache_ids(self) -> list[int]:
-        """``fill_ids`` as the radix tree keys them: a salt moves the first token out of the
-        vocabulary's range, so salted sequences share a prefix only with the same salt."""
+        """``fill_ids`` as the radix tree keys them: a salt (and a LoRA adapter) moves the first
+        token out of the vocabulary's range, so such sequences share a prefix only with the same
+        salt and adapter."""
         ids = self.fill_ids
-        if self.cache_salt is not None:
-            ids[0] += salt_offset(self.cache_salt)
+        salt = self.cache_salt if self.lora_key is None else f"{self.cache_salt or ''}\x00{self.lora_key}"
+        if salt is not None:
+            ids[0] += salt_offset(salt)
         return ids
 
     @property

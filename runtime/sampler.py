@@ -31,6 +31,7 @@ class SamplingRow:
     banned_ids: Sequence[int]  # ids that may not be sampled yet (min_new_tokens)
     want_logprob: bool
     top_logprobs_num: int
+    masked_tops: bool = False  # top alternatives only among the tokens the row's mask allows (beam search)
 
 
 @dataclass
@@ -179,7 +180,7 @@ def sample(
             else:
                 tokens[i] = logits[i].masked_fill(~mask, float("-inf")).argmax()
 
-    result = _with_logprobs(raw, tokens, rows)
+    result = _with_logprobs(raw, tokens, rows, allowed_mask)
     result.failed = failed
     return result
 
@@ -290,7 +291,7 @@ def _draw_one(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     return int((weights / noise).argmax())
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SamplingRow], allowed_mask: torch.Tensor | None = None) -> SampleResult:
     token_list = tokens.tolist()
     logprobs: list[float | None] = [None] * len(rows)
     tops: list[list[tuple[float, int]] | None] = [None] * len(rows)
@@ -303,7 +304,10 @@ def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Sampl
             logprobs[i] = chosen[j]
             k = rows[i].top_logprobs_num
             if k:
-                vals, ids = lp[j].topk(min(k, lp.shape[-1]))
+                row_lp = lp[j]
+                if rows[i].masked_tops and allowed_mask is not None:  # unnormalized, as transformers masks beams
+                    row_lp = row_lp.masked_fill(~allowed_mask[i], float("-inf"))
+                vals, ids = row_lp.topk(min(k, int(torch.isfinite(row_lp).sum()) or 1, lp.shape[-1]))
                 tops[i] = list(zip(vals.tolist(), ids.tolist()))
     return SampleResult(token_list, logprobs, tops)
 

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.beam_search import check_beam_options
 from radixlm.runtime.constrained.schema_strict import close_objects
 from radixlm.runtime.stop_regex import validate_stop_regex
 from radixlm.runtime.stop_strings import StopStrings
@@ -39,7 +40,6 @@ MAX_N = 128  # samples of one prompt (OpenAI's bound)
 
 # SGLang parameters that cannot apply here: each is accepted only with one of its neutral values.
 UNSUPPORTED_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "beam_width": (1,),  # beam search
     "structural_tag": ("",),  # xgrammar structural tags
     "custom_params": ({},),  # arguments of server-side custom logit processors
     "watermark": ({}, {"enabled": False}),  # output watermarking
@@ -76,6 +76,9 @@ class SamplingParams:
     json_schema_strict: bool = True  # generate only the properties a schema declares (unless it allows others)
     close_json_within_budget: bool = False  # steer JSON output to close before max_new_tokens (constrained/budget.py)
     ebnf: str | None = None
+    beam_width: int = 1  # > 1: beam search with this many beams, answered by as many outputs (runtime/beam_search.py)
+    length_penalty: float = 1.0  # beam scores divide by output length ** this (transformers' meaning)
+    early_stopping: bool | str = False  # when beam search ends: True, False or "never" (transformers' meanings)
     # The automaton over ``stop``, built where the params are validated (off the engine loop);
     # not a request parameter (``accepted_keys`` leaves out names that begin with "_").
     _stop_strings: StopStrings | None = field(default=None, repr=False, compare=False)
@@ -215,6 +218,20 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a string" + (" or a dict" if name == "json_schema" else ""))
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        self._validate_beams()
+
+    def _validate_beams(self) -> None:
+        if _is_int(self.length_penalty):
+            self.length_penalty = float(self.length_penalty)
+        check_beam_options(self.beam_width, self.length_penalty, self.early_stopping)
+        if self.beam_width == 1:
+            return
+        if self.n != 1:
+            raise ValueError(f"n must be 1 with beam_width > 1 (beam search answers beam_width outputs), got {self.n}")
+        if self.close_json_within_budget:
+            raise ValueError("close_json_within_budget does not apply to beam_width > 1 (beams end on the grammar's end or the budget)")
+        if self.has_penalties or self.logit_bias:
+            raise ValueError("beam_width > 1 ranks beams by the model's log-probabilities: frequency_penalty, presence_penalty, repetition_penalty and logit_bias must keep their neutral values")
 
     def _validate_stop(self) -> None:
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:

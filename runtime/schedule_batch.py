@@ -17,6 +17,8 @@ import torch
 from radixlm.radix_cache.manager import KVManager
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.lora.batch import LoraBatch
+from radixlm.runtime.lora.manager import LoraManager
 from radixlm.runtime.request import Req
 
 
@@ -42,7 +44,7 @@ class LogitSpans:
 
 def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> tuple[ForwardBatch, LogitSpans]:
     """Lay the rows out as one batch (decode-shaped rows first) and record the logit spans."""
-    rows.sort(key=lambda r: r.length != 1)
+    rows.sort(key=lambda r: (r.length != 1, r.req.lora or ""))  # each adapter's rows together (runtime/lora/batch.py)
     device = runner.device
     ids: list[int] = []
     positions, out_slots, logit_rows, hidden_rows = [], [], [], []
@@ -80,8 +82,14 @@ def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> 
         kv_pool=runner.kv_pool,
         attn_backend=runner.attn_backend,
         hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
+        lora=_lora_batch(rows, getattr(runner, "lora", None)),
     )
     return batch, spans
+
+
+def _lora_batch(rows: list[Row], lora: LoraManager | None) -> LoraBatch | None:
+    """The LoRA segments of the laid-out rows (None: LoRA is off, or no row has an adapter)."""
+    return None if lora is None else lora.batch_for([r.length for r in rows], [r.req.lora for r in rows])
 
 
 def _pooling_rows(row: Row, n_tokens: int, spans: LogitSpans, logit_rows: list[int], hidden_rows: list[int]) -> None:

@@ -39,7 +39,8 @@ class ServerArgs:
     max_running_requests: int = _opt(128, "Most requests decoding at once.")
     chunked_prefill_size: int = _opt(512, "Most prompt tokens computed in one step (longer prompts are split).")
     prefill_yield_share: float = _opt(0.2, "A prompt longer than one chunk sits steps out while others decode or a short prompt waits, for at most this share of its own expected prefill time (so a huge prompt cannot stall everyone, nor be starved); 0 turns this off. See benchmarks/results/long_prompt.md.")
-    schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first) or fcfs.", choices=["lpm", "fcfs"])
+    schedule_policy: str = _opt("lpm", "Admission order: lpm (longest cached prefix first), fcfs, or priority (each request's priority class first, smaller is more urgent, then lpm within a class; a waiting request preempts running ones of a less urgent class when the batch or the KV pool is full). See docs/priorities.md.", choices=["lpm", "fcfs", "priority"])
+    priority_aging_s: float = _opt(30.0, "With --schedule-policy priority: a request moves up one priority class for every this many seconds it waits (so no class starves); 0 turns aging off.")
     disable_radix_cache: bool = _opt(False, "Do not share KV between requests (for ablations).")
     disable_cache_explain: bool = _opt(False, "Do not record who computed each cached prefix nor explain cache hits (for measuring its cost).")
     quantization: str | None = _opt(None, "Weight-only quantization. Unset: a pre-quantized checkpoint (GGUF, AWQ/GPTQ, FP8) runs as stored, a dense one in --dtype. none: dequantize a pre-quantized checkpoint to --dtype. int8, int4 (group 32, like GGUF Q4_1; these two on GPUs too, with Triton kernels), int4_bf16 (int4 for small batches, a bf16 copy for large ones where this CPU measures bf16 faster), or auto (per batch size, the fastest of fp32, bf16, int8 and int4 as a start-up micro-benchmark measures, cached per machine); int4 asked of an int4 checkpoint serves it as stored; other modes re-quantize it (logged).", choices=[None, "none", "int8", "int4", "int4_bf16", "auto"])
@@ -66,6 +67,10 @@ class ServerArgs:
     disaggregation_timeout: float = _opt(60.0, "Seconds one side of a prefill/decode pair waits for the other's half of a request before failing it.")
     pooling: str | None = _opt(None, "How /v1/embeddings and Engine.embed pool the final hidden states: last (the last prompt token's) or mean (every prompt token's; reads nothing from the radix cache). Default: what the model folder's sentence-transformers files say (modules.json, 1_Pooling/config.json), else last. See docs/embeddings.md.", choices=[None, "last", "mean"])
     matryoshka_dims: str | None = _opt(None, "Embedding sizes a request's dimensions may ask for (Matryoshka: the first d entries, renormalised): any (every size up to the hidden size) or a comma-separated list. Default: what config.json says (matryoshka_dimensions, or is_matryoshka: true for any), else none.")
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (on when --lora-paths is given): requests pick one by lora / lora_path / model \"base:name\"; adapters load and unload at run time. See docs/lora.md.")
+    lora_paths: list[str] | None = _opt(None, "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) to serve, as name=path (a bare path is named by its folder).", nargs="+")
+    max_loras_per_batch: int = _opt(8, "Most distinct LoRA adapters among the running requests (and so in one batch); a request of another adapter waits.")
+    max_loaded_loras: int | None = _opt(None, "Most LoRA adapters held in memory; past it, the least recently used one no running request uses is evicted (and read again from its folder when next asked for). Default: no bound.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
     debug_fault_injection: bool = _opt(False, "Test only: a request whose rid starts with fault-<stage>- fails at that stage (admit, grammar, sample, forward, output, nan).")
@@ -113,10 +118,13 @@ class ServerArgs:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be at least page_size ({self.page_size})")
         if not isinstance(self.prefill_yield_share, (int, float)) or isinstance(self.prefill_yield_share, bool) or not 0 <= self.prefill_yield_share <= 1:
             raise ValueError(f"prefill_yield_share must be a number in [0, 1], got {self.prefill_yield_share!r}")
+        if not isinstance(self.priority_aging_s, (int, float)) or isinstance(self.priority_aging_s, bool) or not 0 <= self.priority_aging_s < float("inf"):
+            raise ValueError(f"priority_aging_s must be a number >= 0, got {self.priority_aging_s!r}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._validate_speculative()
         self._validate_disaggregation()
+        self._validate_lora()
         dims = self.matryoshka_dims
         if dims is not None and dims.strip().lower() != "any" and not all(p.strip().isdigit() and int(p) > 0 for p in dims.split(",")):
             raise ValueError(f"matryoshka_dims must be 'any' or a comma-separated list of positive integers, got {dims!r}")
@@ -133,6 +141,22 @@ class ServerArgs:
             for name in ("speculative_draft_model_path", "speculative_draft_quantization"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies only with speculative_algorithm='draft' (got speculative_algorithm={self.speculative_algorithm!r})")
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.max_loras_per_batch, int) or isinstance(self.max_loras_per_batch, bool) or self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be a positive integer, got {self.max_loras_per_batch!r}")
+        n = self.max_loaded_loras
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"max_loaded_loras must be a positive integer, got {n!r}")
+        if self.lora_paths is not None and (isinstance(self.lora_paths, str) or not all(isinstance(p, str) for p in self.lora_paths)):
+            raise ValueError(f"lora_paths must be a list of name=path strings, got {self.lora_paths!r}")
+        if self.lora_enabled and self.tp_size > 1:
+            raise ValueError("LoRA adapters (lora_paths, enable_lora) do not run with tp_size > 1 yet")
+
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine serves LoRA adapters."""
+        return self.enable_lora or self.lora_paths is not None
 
     def _validate_disaggregation(self) -> None:
         if self.disaggregation_mode is None:
@@ -171,7 +195,7 @@ class ServerArgs:
                 group.add_argument(flag, action="store_true", help=help_text)
                 continue
             kind = {"int | None": int, "int": int, "float": float}.get(str(f.type), str)
-            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=f"{help_text} (default: {f.default})")
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), nargs=f.metadata.get("nargs"), help=f"{help_text} (default: {f.default})")
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -245,7 +245,7 @@ class Driver:
         from radixlm.runtime.request import Req
         from radixlm.runtime.sampling_params import SamplingParams
 
-        extra = {k: params.pop(k) for k in ("return_logprob", "top_logprobs_num", "logprob_start_len", "stream") if k in params}
+        extra = {k: params.pop(k) for k in ("return_logprob", "top_logprobs_num", "logprob_start_len", "stream", "priority") if k in params}
         rid = rid or f"r{len(self.stream_events)}"
         self.stream_events[rid] = []
 

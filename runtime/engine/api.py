@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from radixlm.radix_cache.snapshot import snapshot_tree
+from radixlm.runtime.engine.beam import BeamIntake
 from radixlm.runtime.engine.loop import EngineLoop
 from radixlm.runtime.engine.pooling import PoolingIntake
 from radixlm.runtime.engine.requests import RequestIntake, split_batch
@@ -27,13 +28,14 @@ from radixlm.runtime.engine.results import (
     wait_final,
 )
 from radixlm.runtime.engine.stats import dashboard_counters, engine_stats
+from radixlm.runtime.lora.control import LoraControl
 from radixlm.runtime.request import ANY_SALT, Req
 from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class Engine(PoolingIntake, RequestIntake):
+class Engine(LoraControl, PoolingIntake, BeamIntake, RequestIntake):
     """An in-process radixlm runtime: ``generate`` / ``async_generate`` over a batching loop
     (and ``embed`` / ``score`` for pooling, ``runtime/engine/pooling.py``).
 
@@ -118,6 +120,8 @@ class Engine(PoolingIntake, RequestIntake):
         cache_ttl: float | None = None,
         prediction: str | dict[str, Any] | None = None,
         bootstrap_room: int | None = None,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts); ``stream`` yields dicts.
 
@@ -125,10 +129,12 @@ class Engine(PoolingIntake, RequestIntake):
         (sample j seeded ``seed + j``): a list of k dicts for one prompt, m*k for m prompts,
         prompt-major (prompt i's samples at i*k .. i*k+k-1). ``prediction`` (the expected output,
         see ``make_request``) applies to every prompt of a batch; ``bootstrap_room`` (see
-        ``make_request``) takes one prompt.
+        ``make_request``) takes one prompt. ``priority``: every request's class under
+        ``--schedule-policy priority`` (smaller is more urgent). ``lora``: the name of the LoRA
+        adapter every request runs with (None: the base model).
         """
         batch, items = split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction, bootstrap_room=bootstrap_room)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction, bootstrap_room=bootstrap_room, priority=priority, lora=lora)
         if stream:
             if batch or len(items) > 1:
                 raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
@@ -142,10 +148,16 @@ class Engine(PoolingIntake, RequestIntake):
         for req in reqs:
             self.attach_grammar(req)
         for req in reqs:
-            self.submit(req)
+            if req.params.beam_width == 1:
+                self.submit(req)
+        # beam searches run now, round by round, side by side (runtime/engine/beam.py)
+        beams = self.beam_searches_sync([req for req in reqs if req.params.beam_width > 1])
         results = []
-        for q in queues:
-            results.append(to_dict(wait_final(q, self._loop)))
+        for q, req in zip(queues, reqs):
+            if req.params.beam_width > 1:
+                results.extend(beams.pop(0))
+            else:
+                results.append(to_dict(wait_final(q, self._loop)))
         return results if batch or len(results) > 1 else results[0]
 
     async def async_generate(
@@ -165,10 +177,12 @@ class Engine(PoolingIntake, RequestIntake):
         cache_ttl: float | None = None,
         prediction: str | dict[str, Any] | None = None,
         bootstrap_room: int | None = None,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """The asyncio form of ``generate``; with ``stream`` it returns an async iterator."""
         batch, items = split_batch(prompt, input_ids, sampling_params)
-        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction, bootstrap_room=bootstrap_room)
+        common = dict(return_logprob=return_logprob, top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len, return_text_in_logprobs=return_text_in_logprobs, cache_salt=cache_salt, return_cache_info=return_cache_info, program=program, prompt_cache_key=prompt_cache_key, cache_ttl=cache_ttl, prediction=prediction, bootstrap_room=bootstrap_room, priority=priority, lora=lora)
         if stream and (batch or len(items) > 1):
             raise ValueError("stream=True takes a single prompt with n = 1, not a batch")
         loop = asyncio.get_running_loop()
@@ -177,11 +191,18 @@ class Engine(PoolingIntake, RequestIntake):
         for req in reqs:
             await self.attach_grammar_async(req)
         for req in reqs:
-            self.submit(req)
+            if req.params.beam_width == 1:
+                self.submit(req)
         if stream:
             first = reqs[0]
             return stream_async(queues[0], lambda: self.abort_nowait(first.rid, first.cache_salt))
-        results = [to_dict(await await_final(q)) for q in queues]
+        beams = await asyncio.gather(*(self.beam_search_async(req) for req in reqs if req.params.beam_width > 1))
+        results: list[dict[str, Any]] = []
+        for q, req in zip(queues, reqs):
+            if req.params.beam_width > 1:
+                results.extend(beams.pop(0))
+            else:
+                results.append(to_dict(await await_final(q)))
         return results if batch or len(results) > 1 else results[0]
 
     # ------------------------------------------------------------ utilities

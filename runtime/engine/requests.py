@@ -62,6 +62,8 @@ class RequestIntake:
         prediction: str | dict[str, Any] | None = None,
         bootstrap_room: int | None = None,
         pooling: PoolingTask | None = None,
+        priority: int = 0,
+        lora: str | None = None,
     ) -> Req:
         """Validate one request and build its Req (raises ValueError naming the bad argument).
 
@@ -78,6 +80,8 @@ class RequestIntake:
         decode side takes the prompt's KV from it.
         ``pooling``: the request only prefills and answers with pooled hidden states or a score
         (``runtime/pooling.py``); its sampling parameters are ignored.
+        ``priority``: the request's class under ``--schedule-policy priority`` (smaller is more
+        urgent; any other policy takes only 0).
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
@@ -105,6 +109,8 @@ class RequestIntake:
             sampling_params = {"max_new_tokens": 0}
         params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params, self.config.vocab_size, self.context_len)
         params = self._check_bootstrap_room(bootstrap_room, params)
+        if params.beam_width > 1 and (stream or pooling is not None or bootstrap_room is not None):
+            raise ValueError("beam_width > 1 answers with its finished beams at the end: it does not stream, pool or run on a prefill/decode pair")
         if not isinstance(return_logprob, bool):
             raise ValueError("return_logprob must be a boolean")
         if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or top_logprobs_num < 0:
@@ -117,6 +123,8 @@ class RequestIntake:
             raise ValueError("cache_salt must be a non-empty string")
         if rid is not None and self._rid_in_flight(cache_salt, rid):
             raise ValueError(f"rid {rid!r} is already in flight")
+        self._check_priority(priority)
+        lora_key = self._lora_key(lora)
         predicted = prediction_text(prediction)
         hints = check_cache_options(return_cache_info, program, prompt_cache_key, cache_ttl, retention, not self.args.disable_cache_explain)
         if cache_ttl is not None:
@@ -138,6 +146,9 @@ class RequestIntake:
             retention=hints,
             bootstrap_room=bootstrap_room,
             pooling=pooling,
+            priority=priority,
+            lora=lora,
+            lora_key=lora_key,
         )
         if predicted:
             # indexed on the loop thread at the first step: bounded by what the output can use
@@ -147,6 +158,23 @@ class RequestIntake:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         return req
+
+    def _lora_key(self, lora: str | None) -> str | None:
+        """The radix-cache key of adapter ``lora`` (None: the base model); ValueError naming ``lora``."""
+        if lora is None:
+            return None
+        if not isinstance(lora, str) or not lora:
+            raise ValueError(f"lora must be a non-empty string (an adapter's name), got {lora!r}")
+        if self.runner.lora is None:
+            raise ValueError(f"lora {lora!r}: this server serves no LoRA adapters (start it with --lora-paths or --enable-lora)")
+        return self.runner.lora.pool.cache_key(lora)
+
+    def _check_priority(self, priority: int) -> None:
+        """Validate ``priority``: an integer, and non-zero only under ``--schedule-policy priority``."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must be an integer in [-2**31, 2**31), got {priority!r}")
+        if priority != 0 and self.args.schedule_policy != "priority":
+            raise ValueError(f"priority {priority} needs a server started with --schedule-policy priority (this one orders by {self.args.schedule_policy})")
 
     def _check_bootstrap_room(self, room: int | None, params: SamplingParams) -> SamplingParams:
         """Validate ``bootstrap_room``; on the prefill side the request only computes its prompt."""

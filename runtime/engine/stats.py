@@ -25,6 +25,7 @@ def engine_stats(rt: EngineParts) -> dict[str, Any]:
         "cache_hit_rate": tree.hit_rate(),
         "forward_passes": s.forward_passes,
         "total_retracted": s.total_retracted,
+        "total_preempted": s.total_preempted,
         "retention_hits": tree.retention_hits,
         "evictions_despite_hint": tree.evicted_despite_hint,
         "grammar_masks": s.decoder.grammar_masks,

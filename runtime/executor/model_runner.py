@@ -32,6 +32,7 @@ from radixlm.runtime.loader import (
     stored_formats,
     weight_bytes,
 )
+from radixlm.runtime.lora.manager import LoraManager
 from radixlm.runtime.models.sharding import plan_shard
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
@@ -128,6 +129,7 @@ class ModelRunner:
             logger.info("attention backend torch: %s does not serve a latent KV pool", type(self.attn_backend).__name__)
             self.attn_backend = select_attention_backend("torch", self.device)
         self.decode_graphs = self._decode_graphs()
+        self.lora = LoraManager(self.model, cfg, args, self.dtype, self.device, args.tp_size) if args.lora_enabled else None
         logger.info(
             "KV pool%s: %d tokens of %s KV, %d bytes each (%.1f MiB), attention backend %s",
             "" if shard is None else f" of tp rank {shard.rank}",
@@ -196,12 +198,16 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of ``batch.logits_indices``; where ``batch.hidden_indices`` is given, those
         tokens' final hidden states land in ``batch.hidden_out`` (a captured graph keeps none)."""
-        if self.decode_graphs is not None and batch.hidden_indices is None:
+        if self.decode_graphs is not None and batch.hidden_indices is None and batch.lora is None:
             logits = self.decode_graphs.run(batch)
             if logits is not None:
                 return logits
         self.attn_backend.init_forward_metadata(batch)
-        hidden = self.model(batch)
+        if batch.lora is not None:
+            with self.lora.running(batch.lora):
+                hidden = self.model(batch)
+        else:
+            hidden = self.model(batch)
         if batch.hidden_indices is not None:
             batch.hidden_out = hidden.index_select(0, batch.hidden_indices).float()
         if batch.logits_indices.numel() == 0:

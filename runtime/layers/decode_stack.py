@@ -148,6 +148,8 @@ class DecodeStacks:
         """Every decoder layer for ``batch``: ``(x, residual)`` after the last, or None when the
         batch needs the Python path. ``ropes``: the (cos, sin) tables the layers' ``rope_table``
         index (one table alone may be passed as it is)."""
+        if batch.lora is not None:
+            return None  # LoRA deltas are added by the Python layers' projections
         meta = self._decode_meta(x, batch)
         if meta is None:
             return None

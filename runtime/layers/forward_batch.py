@@ -51,6 +51,7 @@ class ForwardBatch:
     inject_worker_fault: bool = False  # test only (--debug-fault-injection): tensor-parallel workers raise in this pass
     hidden_indices: torch.Tensor | None = None  # token indices whose final hidden states pooling requests want (rank 0 only)
     hidden_out: torch.Tensor | None = None  # set by the runner: fp32 [len(hidden_indices), hidden] of those tokens
+    lora: Any = None  # the LoRA adapter segments of this pass (runtime/lora/batch.py), None without adapter rows
 
     @property
     def batch_size(self) -> int:

@@ -1,8 +1,9 @@
 """Admission: matching waiting requests against the radix cache, deciding what fits, planning chunks.
 
 Unfinished prompts continue first, then waiting requests are admitted in policy order (``lpm``:
-longest cached prefix first) while the chunked-prefill token budget, the request limit and the
-KV budget (free + evictable, minus headroom reserved for running decodes) allow. An unfinished
+longest cached prefix first; ``priority``: by class, then lpm within a class, ``priority.py``)
+while the chunked-prefill token budget, the request limit and the KV budget (free + evictable,
+minus headroom reserved for running decodes) allow. An unfinished
 prompt sits the step out while others decode or a short prompt waits, for at most
 ``--prefill-yield-share`` of its own expected prefill time (``PrefillClock``).
 """
@@ -10,14 +11,18 @@ prompt sits the step out while others decode or a short prompt waits, for at mos
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 
 import torch
 
 from radixlm.radix_cache.manager import KVState
 from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.tree import RadixCache, TreeNode
+from radixlm.runtime.lora.manager import lora_admits
 from radixlm.runtime.request import Req
 from radixlm.runtime.schedule_batch import Row
+from radixlm.runtime.scheduler import priority
 from radixlm.runtime.scheduler.finish import Finishing
 from radixlm.runtime.scheduler.prefill_clock import PrefillClock
 
@@ -70,12 +75,15 @@ class Admission(Finishing):
 
     def _order_waiting(self) -> list[Req]:
         ready = list(self.waiting)
+        by_class = self.args.schedule_policy == "priority"
         if self.args.schedule_policy == "fcfs" or len(ready) > LPM_FALLBACK_QUEUE_LEN or self.kv.tree.disable:
-            return ready
+            return priority.order_by_class(ready, None, self.args.priority_aging_s) if by_class else ready
         tree = self.kv.tree
         lengths = {}
         for r in ready:
             lengths[id(r)] = tree.match_prefix(r.cache_ids[: r.max_cacheable_prefix()]).length
+        if by_class:
+            return priority.order_by_class(ready, lengths, self.args.priority_aging_s)
         return sorted(ready, key=lambda r: -lengths[id(r)])  # stable: FCFS on ties
 
     def _admit_rows(self, budget: int) -> list[Row]:
@@ -95,6 +103,8 @@ class Admission(Finishing):
             length = self._chunk_len(req, len(prefix_slots), budget)
             state = None
             try:
+                if not lora_admits(self.runner, req, self.running):  # its adapter loaded, within --max-loras-per-batch
+                    continue
                 state = self.reserve_admission(req, prefix_slots, node, len(prefix_slots) + length)
                 if state is None:
                     break
@@ -107,6 +117,7 @@ class Admission(Finishing):
                 self.fail(req, f"admission failed: {exc}")
                 continue
             req.kv = state
+            req.run_class = priority.effective_class(req, priority.clock(), self.args.priority_aging_s)
             self.note_admission(req, len(prefix_slots), node)
             self.waiting.remove(req)
             self.running.append(req)
@@ -143,21 +154,29 @@ class Admission(Finishing):
             elif req in computed:
                 clock.run_s += seconds
 
-    def _reserved_headroom(self) -> int:
+    def _reserved_headroom(self, exclude: Sequence[Req] = ()) -> int:
         total = 0
         for r in self.running:
+            if r in exclude:
+                continue
             total += self.kv.headroom(r.kv, r.seq_len)
             total += int(min(r.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
         return total
+
+    def _admission_need(self, req: Req, cached: int, new_len: int, exclude: Sequence[Req] = ()) -> int:
+        """KV slots admitting ``req`` up to ``new_len`` takes, with ``cached`` of them from the tree,
+        plus the room the running requests (but those in ``exclude``) and ``req`` keep for decoding."""
+        need = self.kv.pages_for(None, new_len) - cached
+        if len(self.running) > len(exclude):
+            need += int(min(req.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+            need += self._reserved_headroom(exclude)
+        return need
 
     def reserve_admission(self, req: Req, prefix_slots: torch.Tensor, node: TreeNode, new_len: int) -> KVState | None:
         """Lock a waiting request's cached prefix and reserve its slots up to ``new_len``, leaving
         room for the running requests' decoding; None (holding nothing) when KV is short now.
         Raises (holding nothing) when ``new_len`` does not fit a slot-table row."""
-        need = self.kv.pages_for(None, new_len) - len(prefix_slots)
-        if self.running:
-            need += int(min(req.remaining_tokens(), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
-            need += self._reserved_headroom()
+        need = self._admission_need(req, len(prefix_slots), new_len)
         origin = Origin(req.rid, req.program, req.prompt_cache_key) if self.kv.tree.track_origins else None
         state = self.kv.admit(prefix_slots, node, origin)
         if state is None:
@@ -176,6 +195,7 @@ class Admission(Finishing):
         if req.cached_tokens >= 0:
             return
         req.cached_tokens = cached
+        req.admitted_at = time.monotonic()
         self.kv.tree.record(len(req.input_ids), cached)
         self._note_match(req, node)
         if req.needs_prompt_logprobs() and req.logprob_start_len == 0:

@@ -28,6 +28,7 @@ class StepStats:
     num_decode: int = 0
     num_prefill_tokens: int = 0
     num_retracted: int = 0
+    num_preempted: int = 0  # running requests that gave way to a more urgent one (priority policy)
     num_prefills_paused: int = 0  # unfinished prompts that sat the step out to let others run
     forward_s: float = 0.0
 
@@ -56,6 +57,7 @@ class SchedulerState:
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.stats = StepStats()
         self.total_retracted = 0
+        self.total_preempted = 0
         self.forward_passes = 0
         self.explainer = None if args.disable_cache_explain else CacheExplainer(tokenizer)
         self.finished_output_tokens = 0  # output tokens of ended requests (for tokens/s)

@@ -1,7 +1,8 @@
 """Scheduler: the step that forms each batch, and the queue API the engine loop calls.
 
 Each ``step``:
-1. drop aborted requests;
+1. drop aborted requests; under the priority policy, preempt less urgent running requests when
+   the most urgent waiting one would not fit (``priority.py``);
 2. decode rows: every running request whose prompt is done gets one new token, plus its draft
    tokens if it has any (retracting the newest requests when the pool cannot hold that:
    ``retraction.py``);
@@ -28,13 +29,14 @@ from radixlm.runtime.request import ANY_SALT, FinishReason, Req, same_tenant
 from radixlm.runtime.scheduler.admission import Admission
 from radixlm.runtime.scheduler.forward import ForwardPass
 from radixlm.runtime.scheduler.hooks import DisaggregationHook
+from radixlm.runtime.scheduler.priority import Preemption, clock
 from radixlm.runtime.scheduler.retraction import Retraction
 from radixlm.runtime.scheduler.state import StepStats
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(Admission, Retraction, ForwardPass):
+class Scheduler(Admission, Retraction, Preemption, ForwardPass):
     """Forms batches from waiting and running requests and advances them one step at a time."""
 
     def attach_pd(self, hook: DisaggregationHook) -> DisaggregationHook:
@@ -58,6 +60,7 @@ class Scheduler(Admission, Retraction, ForwardPass):
             except Exception as exc:
                 self.finish(req, FinishReason.failure(f"the KV link to the prefill worker is down: {exc}", 503))
                 return
+        req.queued_at = clock()
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -96,10 +99,11 @@ class Scheduler(Admission, Retraction, ForwardPass):
         """Advance every request by one step; False when there was nothing to run."""
         self._drop_aborted("aborted by request")
         self.stats = StepStats()
+        self._preempt_for_waiting()
         rows = self._decode_rows()
         rows += self._prefill_rows(self.args.chunked_prefill_size, decoding=bool(rows))
         if not rows and self.running:  # every running prompt is stuck on memory: make room
-            self._retract(max(self.running, key=lambda r: r.arrival))
+            self._retract(self._retraction_victim(self.running))
             rows = self._decode_rows()
             rows += self._prefill_rows(self.args.chunked_prefill_size, decoding=bool(rows))
         if not rows:
@@ -129,6 +133,7 @@ class Scheduler(Admission, Retraction, ForwardPass):
                 "phase": "decode" if req.generating else ("prefill" if req.kv is not None else "waiting"),
                 "kv": req.kv.owned if req.kv is not None else 0,
                 "age_s": round(now - req.arrival, 2),
+                "priority": req.priority,
             }
 
         return {

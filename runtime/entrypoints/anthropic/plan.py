@@ -100,7 +100,7 @@ def plan_messages(state: ServerState, body: MessagesRequest | CountTokensRequest
     stops: list[str] = []
     if isinstance(body, MessagesRequest):
         stops = list(body.stop_sequences or [])
-        fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, stream=body.stream, bootstrap_room=body.bootstrap_room)
+        fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, stream=body.stream, bootstrap_room=body.bootstrap_room, priority=body.priority)
         if body.top_k is not None:
             fields["top_k"] = body.top_k if body.top_k > 0 else -1  # 0: no top-k cut (the chat route's -1)
         if stops:

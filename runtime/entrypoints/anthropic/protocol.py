@@ -23,7 +23,12 @@ from pydantic import (
 
 from radixlm.runtime.entrypoints.http.body import parse_json
 from radixlm.runtime.entrypoints.http.errors import APIError, validation_error
-from radixlm.runtime.entrypoints.openai.protocol import MAX_MESSAGES, MAX_TOOLS, BootstrapRoom
+from radixlm.runtime.entrypoints.openai.protocol import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    BootstrapRoom,
+    Priority,
+)
 from radixlm.runtime.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from radixlm.runtime.speculative.prediction import MAX_CONTENT_PARTS
 
@@ -182,6 +187,7 @@ class MessagesRequest(_Conversation):
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, unused: one tier here
     inference_geo: Annotated[str, Field(max_length=64)] | None = None  # accepted, unused: it runs here
     bootstrap_room: BootstrapRoom | None = None  # pairs the halves of a disaggregated request (router-set)
+    priority: Priority = 0  # radixlm's extra: class under --schedule-policy priority (smaller is more urgent)
 
 
 class CountTokensRequest(_Conversation):

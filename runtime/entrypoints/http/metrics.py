@@ -7,12 +7,23 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_CLASS_LABEL_SPAN = 10  # classes -10..10 get their own label; beyond, one label a side (bounded series)
+
+
+def class_label(priority: int) -> str:
+    """The ``priority`` label of a request's class: its number, or ``<=-11`` / ``>=11`` past the span."""
+    if priority < -_CLASS_LABEL_SPAN:
+        return f"<={-_CLASS_LABEL_SPAN - 1}"
+    if priority > _CLASS_LABEL_SPAN:
+        return f">={_CLASS_LABEL_SPAN + 1}"
+    return str(priority)
 
 
 class ServerMetrics:
     """One registry per server (no process-global state)."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_priority: bool = False) -> None:
+        self.per_priority = per_priority  # the server orders by priority class: latency per class
         self.registry = CollectorRegistry()
         r = self.registry
         self.running = Gauge("radixlm_num_running_requests", "Requests decoding or prefilling.", registry=r)
@@ -33,6 +44,9 @@ class ServerMetrics:
         self.spec_accepted_tokens = Counter("radixlm_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r)
         self.grammar_masks = Counter("radixlm_grammar_masks", "Grammar masks computed for constrained rows.", registry=r)
         self.grammar_lazy_picks = Counter("radixlm_grammar_lazy_picks", "Constrained picks the grammar took without computing a mask (lazy masking).", registry=r)
+        self.preempted = Counter("radixlm_preempted_requests", "Running requests that gave way to a more urgent one (priority policy).", registry=r)
+        self.class_queue = Histogram("radixlm_priority_queue_time_seconds", "Time from arrival to first admission, per priority class.", ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.class_ttft = Histogram("radixlm_priority_time_to_first_token_seconds", "Time to first token, per priority class.", ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self._seen: dict[str, int] = {}  # engine counters already added to the Counters above
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
@@ -44,6 +58,12 @@ class ServerMetrics:
         self.requests.labels(finish_reason=reason).inc()
         if "e2e_latency" in meta:
             self.e2e.observe(meta["e2e_latency"])
+        if self.per_priority and "priority" in meta:
+            label = class_label(meta["priority"])
+            if "queue_time" in meta:
+                self.class_queue.labels(priority=label).observe(meta["queue_time"])
+            if "ttft" in meta:
+                self.class_ttft.labels(priority=label).observe(meta["ttft"])
         if "ttft" in meta and "e2e_latency" in meta:
             self.ttft.observe(meta["ttft"])
             if meta.get("completion_tokens", 0) > 1:
@@ -58,6 +78,7 @@ class ServerMetrics:
         self.hit_rate.set(stats["cache_hit_rate"])
         self._advance(self.retention_hits, "retention_hits", stats.get("retention_hits", 0))
         self._advance(self.hint_evictions, "evictions_despite_hint", stats.get("evictions_despite_hint", 0))
+        self._advance(self.preempted, "total_preempted", stats.get("total_preempted", 0))
         for name in ("spec_verify_passes", "spec_draft_tokens", "spec_accepted_tokens", "grammar_masks", "grammar_lazy_picks"):
             self._advance(getattr(self, name), name, stats.get(name, 0))
         return generate_latest(self.registry)

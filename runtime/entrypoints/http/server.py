@@ -23,6 +23,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from radixlm.runtime.engine import Engine
+from radixlm.runtime.entrypoints.http import lora_routes
+from radixlm.runtime.entrypoints.http.beams import beam_width_of, run_beams
 from radixlm.runtime.entrypoints.http.body import json_object, read_model, request_schema
 from radixlm.runtime.entrypoints.http.common import (
     ClientGone,
@@ -83,7 +85,7 @@ def create_app(
 
     app = FastAPI(title="radixlm", lifespan=lifespan, redirect_slashes=False)  # "/generate/" is a 404, not a 307
     name = served_model_name or engine.model_path.rstrip("/").split("/")[-1]
-    state = ServerState(engine, ServerMetrics(), name, api_key, max_queued_requests + engine.args.max_running_requests, admin_key=admin_api_key, origins=origins)
+    state = ServerState(engine, ServerMetrics(per_priority=engine.args.schedule_policy == "priority"), name, api_key, max_queued_requests + engine.args.max_running_requests, admin_key=admin_api_key, origins=origins)
     app.state.radixlm = state
     app.add_middleware(Guard, state=state)
     if origins.allowed_origins:  # outermost: preflights are answered before the key is asked for
@@ -95,6 +97,7 @@ def create_app(
     responses_routes.add_routes(app, state)  # /v1/responses: OpenAI's Responses API and its store
     anthropic_routes.add_routes(app, state)  # /v1/messages: Anthropic's API, errors in its shape
     cache_routes.add_routes(app, state)
+    lora_routes.add_routes(app, state)  # /load_lora_adapter, /unload_lora_adapter (docs/lora.md)
     dashboard.add_routes(app, state)
     return app
 
@@ -262,7 +265,8 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "owned_by": "radixlm", "max_model_len": engine.context_len}]}
+        base = {"id": state.model_name, "object": "model", "owned_by": "radixlm", "max_model_len": engine.context_len}
+        return {"object": "list", "data": [base, *lora_routes.model_cards(state)]}
 
     @app.post("/generate", openapi_extra=request_schema(GenerateRequest))
     async def generate(request: Request) -> Response:
@@ -286,11 +290,14 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
     state.check_fits(n, key)
     state.check_fits(sum(_sample_count(sp) for sp in params), "n")  # before n copies are built
     jobs = _samples(prompts, params, rids, body.stream)
+    loras = lora_routes.generate_loras(state, body.lora_path, params)
+    if any(beam_width_of(sp) > 1 for sp in params):
+        return await _native_beams(state, body, request, key, jobs, loras)
     sampled = len(jobs) > n
     ticket = Ticket(state, len(jobs), [r for _, _, r in jobs if r is not None], "n" if sampled else key, body.cache_salt)
     handed_off = False
     try:
-        for prompt, sp, rid in jobs:
+        for (prompt, sp, rid), lora in zip(jobs, loras):
             await ticket.start(
                 key,
                 **{"prompt" if key == "text" else key: prompt},
@@ -308,6 +315,8 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
                 cache_ttl=body.cache_ttl,
                 prediction=body.prediction,
                 bootstrap_room=body.bootstrap_room,
+                priority=body.priority,
+                lora=lora,
             )
         if body.stream:
             response = stream_response(_native_events(ticket), ticket.close)
@@ -319,6 +328,28 @@ async def native_generate(state: ServerState, body: GenerateRequest, request: Re
             ticket.close()
     results = [{"text": o.text, "output_ids": o.output_ids, "meta_info": o.meta_info} for o in outs]
     return JSONResponse(results if batch or sampled else results[0])
+
+
+async def _native_beams(state: ServerState, body: GenerateRequest, request: Request, key: str, jobs: list, loras: list) -> Response:
+    """``/generate`` with ``beam_width`` > 1: each prompt's beams, best first, prompt-major (a list, as for ``n``)."""
+    if body.stream:
+        raise APIError(400, "beam_width > 1 answers once its beams end: it does not stream", param="stream")
+    calls = [
+        dict(
+            **{"prompt" if key == "text" else key: prompt},
+            sampling_params=sp,
+            return_logprob=body.return_logprob,
+            rid=rid,
+            **({"cache_salt": body.cache_salt} if body.cache_salt is not None else {}),
+            program=body.program,
+            prompt_cache_key=body.prompt_cache_key,
+            priority=body.priority,
+            lora=lora,
+        )
+        for (prompt, sp, rid), lora in zip(jobs, loras)
+    ]
+    outs = await run_beams(state, request, calls, key)
+    return JSONResponse([{"text": o.text, "output_ids": o.output_ids, "meta_info": o.meta_info} for hyps in outs for o in hyps])
 
 
 def _sample_count(params: Any) -> int:

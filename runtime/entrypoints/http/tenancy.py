@@ -46,6 +46,8 @@ def redact_paths(values: dict[str, Any]) -> dict[str, Any]:
         value = out.get(name)
         if isinstance(value, str):
             out[name] = "(hidden)" if name == "disaggregation_bootstrap" else os.path.basename(value.rstrip("/")) or value
+    if isinstance(out.get("lora_paths"), list):  # name=path: the names only
+        out["lora_paths"] = [str(spec).partition("=")[0] if "=" in str(spec) else os.path.basename(str(spec).rstrip("/")) for spec in out["lora_paths"]]
     return out
 
 

@@ -90,7 +90,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, id=new_id("chatcmpl"))
+    return Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, priority=body.priority, id=new_id("chatcmpl"))
 
 
 def _auto_grammar(engine, sampling: dict[str, Any], tools: list, parallel: bool, fmt: ToolFormat, start: str = "start") -> str:

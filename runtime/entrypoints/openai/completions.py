@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixlm.runtime.entrypoints.http.beams import beam_sampling
 from radixlm.runtime.entrypoints.http.common import ServerState
 from radixlm.runtime.entrypoints.http.errors import APIError
 from radixlm.runtime.entrypoints.openai.answers import finish_reason, token_entries, with_final_info
@@ -46,7 +47,15 @@ def plan_completion(state: ServerState, body: CompletionRequest) -> Plan:
         prompts.append(ids)
     texts = [t if t is not None else engine.tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     sampling = sampling_params(state, body, body.max_tokens, max(len(x) for x in prompts))
-    return Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, prediction=predicted_text(body), bootstrap_room=body.bootstrap_room)
+    if body.use_beam_search:
+        if body.stream:
+            raise APIError(400, "use_beam_search answers once its beams end: it does not stream", param="stream")
+        if body.logprobs is not None:
+            raise APIError(400, "logprobs is not supported with use_beam_search", param="logprobs")
+        sampling = beam_sampling(sampling, body.n, body.length_penalty, body.early_stopping)
+    elif body.length_penalty is not None or body.early_stopping is not None:
+        raise APIError(400, "length_penalty and early_stopping apply only with use_beam_search", param="length_penalty" if body.length_penalty is not None else "early_stopping")
+    return Plan(False, body.model or state.model_name, prompts, texts, sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), body.logprobs, echo=body.echo, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, priority=body.priority, beam=body.use_beam_search)
 
 
 def completion_choice(plan: Plan, index: int, out: ReqOutput) -> dict[str, Any]:

@@ -36,6 +36,8 @@ class Plan:
     retention: list[tuple[int, float]] = field(default_factory=list)  # (prefix tokens, ttl) per cache_control
     prediction: str | None = None  # the expected output (Predicted Outputs)
     bootstrap_room: int | None = None  # pairs the halves of a disaggregated request
+    priority: int = 0  # class under --schedule-policy priority
+    beam: bool = False  # use_beam_search: the n choices of a prompt are its n best beams
     id: str = field(default_factory=lambda: new_id("cmpl"))
 
 

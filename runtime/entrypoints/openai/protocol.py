@@ -25,6 +25,7 @@ from radixlm.runtime.speculative.prediction import MAX_CONTENT_PARTS, ContentPar
 
 NonNegInt = Annotated[StrictInt, Field(ge=0)]
 Number = StrictInt | StrictFloat
+Priority = Annotated[StrictInt, Field(ge=-(2**31), lt=2**31)]  # a request's class: smaller is more urgent
 Label = Annotated[str, Field(min_length=1, max_length=256)]  # program names, prompt_cache_key
 CacheTTL = Annotated[Number, Field(gt=0, le=86400)]  # seconds a retention hint asks for
 BootstrapRoom = Annotated[StrictInt, Field(ge=0, lt=2**63)]  # prefill/decode pairing id
@@ -62,6 +63,8 @@ class GenerateRequest(BaseModel):
     cache_ttl: CacheTTL | None = None  # soft retention hint for the whole prompt, in seconds
     prediction: str | Prediction | None = None  # expected output: proposed as speculative drafts
     bootstrap_room: BootstrapRoom | None = None  # pairs the halves of a disaggregated request (router-set)
+    priority: Priority = 0  # class under --schedule-policy priority: smaller is more urgent
+    lora_path: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)] | None] | None = None  # the LoRA adapter's name (one, or one per prompt)
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
@@ -203,6 +206,7 @@ class _SamplingFields(_Lenient):
     return_cache_info: StrictBool = False  # each choice gains cache_info (via extra_body)
     prediction: Prediction | None = None  # Predicted Outputs: proposed as speculative drafts
     bootstrap_room: BootstrapRoom | None = None  # pairs the halves of a disaggregated request (router-set)
+    priority: Priority = 0  # class under --schedule-policy priority (vLLM's extra field): smaller is more urgent
 
 
 class CompletionRequest(_SamplingFields):
@@ -213,6 +217,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     echo: StrictBool = False
     suffix: str | None = None
+    # vLLM's beam search: n beams, answered as n choices best first
+    use_beam_search: StrictBool = False
+    length_penalty: Number | None = None
+    early_stopping: StrictBool | Literal["never"] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

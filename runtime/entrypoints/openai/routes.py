@@ -10,9 +10,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from radixlm.runtime.entrypoints.http.beams import run_beams
 from radixlm.runtime.entrypoints.http.body import read_model, request_schema
 from radixlm.runtime.entrypoints.http.common import ServerState, Ticket, stream_response, wait_final
 from radixlm.runtime.entrypoints.http.errors import APIError
+from radixlm.runtime.entrypoints.http.lora_routes import lora_of_model
 from radixlm.runtime.entrypoints.openai.answers import answer_usage
 from radixlm.runtime.entrypoints.openai.chat import chat_choice, plan_chat
 from radixlm.runtime.entrypoints.openai.completions import completion_choice, plan_completion
@@ -63,6 +65,8 @@ async def start_plan(ticket: Ticket, plan: Plan) -> list[tuple[int, Any, Any]]:
                     retention=plan.retention,
                     prediction=plan.prediction,
                     bootstrap_room=plan.bootstrap_room,
+                    priority=plan.priority,
+                    lora=lora_of_model(ticket.state, plan.model),
                 )
             except APIError as err:
                 raise _field_error(err, plan) from None
@@ -98,6 +102,8 @@ def _field_error(err: APIError, plan: Plan) -> APIError:
 
 async def _run(state: ServerState, request: Request, plan: Plan) -> Response:
     """Run a planned request: the JSON answer once every choice is done, or the event stream."""
+    if plan.beam:
+        return await _run_beams(state, request, plan)
     total = len(plan.prompts) * plan.n
     ticket = Ticket(state, total, [], "n" if plan.n > 1 or len(plan.prompts) == 1 else "prompt")
     handed_off = False
@@ -114,4 +120,26 @@ async def _run(state: ServerState, request: Request, plan: Plan) -> Response:
     shape = chat_choice if plan.chat else completion_choice
     choices = [shape(plan, idx, out) for (idx, _, _), out in zip(started, outs)]
     body = {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion", "created": now(), "model": plan.model, "choices": choices, "usage": answer_usage(plan, outs)}
+    return JSONResponse(body)
+
+
+async def _run_beams(state: ServerState, request: Request, plan: Plan) -> Response:
+    """A completion with ``use_beam_search``: each prompt's ``n`` best beams as its choices."""
+    calls = [
+        dict(
+            input_ids=ids,
+            sampling_params=plan.sampling,
+            **({"cache_salt": plan.cache_salt} if plan.cache_salt is not None else {}),
+            prompt_cache_key=plan.prompt_cache_key,
+            priority=plan.priority,
+        )
+        for ids in plan.prompts
+    ]
+    try:
+        hyps = await run_beams(state, request, calls, "prompt")
+    except APIError as err:
+        raise _field_error(err, plan) from None
+    outs = [out for prompt_hyps in hyps for out in prompt_hyps]
+    choices = [completion_choice(plan, i, out) for i, out in enumerate(outs)]
+    body = {"id": plan.id, "object": "text_completion", "created": now(), "model": plan.model, "choices": choices, "usage": answer_usage(plan, outs)}
     return JSONResponse(body)

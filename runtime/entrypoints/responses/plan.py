@@ -136,6 +136,7 @@ def plan_response(state: ServerState, body: ResponsesRequest, previous: StoredRe
             response_format=_response_format(body),
             cache_salt=tenant,
             prompt_cache_key=body.prompt_cache_key,
+            priority=body.priority,
             stream=body.stream,
             stream_options=StreamOptions(include_usage=True) if body.stream else None,
         )

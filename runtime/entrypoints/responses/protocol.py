@@ -18,6 +18,7 @@ from radixlm.runtime.entrypoints.openai.protocol import (
     Label,
     NonNegInt,
     Number,
+    Priority,
 )
 from radixlm.runtime.speculative.prediction import MAX_CONTENT_PARTS
 
@@ -169,6 +170,7 @@ class ResponsesRequest(_Lenient):
     repetition_penalty: Number | None = Field(default=None, gt=0, le=2)
     ignore_eos: StrictBool | None = None
     max_reasoning_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    priority: Priority = 0  # class under --schedule-policy priority (smaller is more urgent)
     # refused when set: radixlm does not run responses in the background, hold conversations
     # objects, serve prompt templates, or return logprobs here
     background: StrictBool | None = None
