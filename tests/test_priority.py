@@ -119,6 +119,24 @@ def test_when_decoding_outgrows_the_pool_the_least_urgent_request_is_retracted_n
     assert d.results["low"].output_ids == _alone(tiny_llama, _prompt(35, 10), 70)
 
 
+def test_a_request_whose_adapter_does_not_fit_the_batch_preempts_for_its_adapter_slot(tiny_llama, tmp_path):
+    from test_lora import make_adapter
+
+    paths = [f"{name}={make_adapter(tiny_llama, tmp_path / name, 4, 8, ['q_proj', 'v_proj'], seed=i)}" for i, name in enumerate(("a", "b"))]
+    d = _driver(tiny_llama, lora_paths=paths, max_loras_per_batch=1)
+    d.add(_prompt(37), rid="low", priority=1, max_new_tokens=30, **GREEDY)
+    d.sched.waiting[-1].lora = "a"  # Driver builds Reqs directly: name the adapter and its cache key
+    d.sched.waiting[-1].lora_key = d.rt.runner.lora.pool.cache_key("a")
+    while len(_find(d, "low").output_ids) < 4:
+        d.step()
+    d.add(_prompt(38), rid="urgent", priority=0, max_new_tokens=3, **GREEDY)
+    d.sched.waiting[-1].lora = "b"
+    d.sched.waiting[-1].lora_key = d.rt.runner.lora.pool.cache_key("b")
+    d.step()  # the batch and the pool have room; the one adapter slot is a's
+    assert _find(d, "low") in d.sched.waiting and _find(d, "urgent") in d.sched.running
+    assert _finish_order(d) == ["urgent", "low"]
+
+
 def test_a_request_never_preempts_its_own_class_or_a_more_urgent_one(tiny_llama):
     d = _driver(tiny_llama, max_running_requests=1)
     d.add(_prompt(30), rid="running", priority=0, max_new_tokens=6, **GREEDY)

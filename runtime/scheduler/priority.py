@@ -7,7 +7,7 @@ cached prefix first within a class. A waiting request moves up one class for eve
 requests cannot starve the others.
 
 When the most urgent waiting request would not be admitted because the batch
-(``--max-running-requests``) or the KV pool is full, running requests of a less urgent class
+(``--max-running-requests``), the KV pool or the batch's adapters (``--max-loras-per-batch``) are full, running requests of a less urgent class
 make room: the least urgent first, the newest first within a class, and only as many as it
 takes. "Less urgent" holds twice: by the class each was sent with (so requests of one class
 never preempt each other, however long they waited) and by the class each runs at (what aging
@@ -93,10 +93,18 @@ class Preemption(Finishing):
 
     def _fits_after(self, head: Req, cached: int, new_len: int, gone: list[Req]) -> bool:
         """True when ``head``'s first chunk would be admitted once the requests ``gone`` left."""
-        if len(self.running) - len(gone) >= self.args.max_running_requests:
+        if len(self.running) - len(gone) >= self.args.max_running_requests or not self._lora_fits(head, gone):
             return False
         freed = sum(r.kv.owned for r in gone)  # their slots go to the tree, unlocked: evictable
         return self._admission_need(head, cached, new_len, exclude=gone) <= self.kv.available() + freed
+
+    def _lora_fits(self, head: Req, gone: list[Req]) -> bool:
+        """True when ``head``'s adapter fits ``--max-loras-per-batch`` beside the running requests but ``gone``."""
+        lora = getattr(self.runner, "lora", None)
+        if lora is None or head.lora is None:
+            return True
+        active = {r.lora for r in self.running if r.lora is not None and r not in gone}
+        return head.lora in active or len(active) < lora.pool.max_per_batch
 
     def _preempt(self, req: Req, by: Req) -> None:
         """Take a running request out of the batch for ``by``; it queues again with its output so far."""
