@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import httpx
 import openai
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 import radixlm
 from radixlm.runtime.beam_search import BeamSearch
 from radixlm.runtime.engine.beam import BeamAborted
+from radixlm.runtime.stop_regex import StopRegexTooSlow
 
 PROMPT = [5, 17, 42, 99, 7, 250, 31, 64]
 
@@ -168,6 +170,15 @@ def test_beams_share_their_prefix_kv_through_the_radix_cache(engine):
     assert again[0]["meta_info"]["cached_tokens"] == len(prompt) - 1  # the last prompt token is computed for its logits
 
 
+def test_a_tenants_beams_never_read_another_tenants_cache(engine):
+    prompt = [(i * 37) % 300 + 41 for i in range(48)]
+    params = {"max_new_tokens": 4, "beam_width": 2}
+    engine.generate(input_ids=prompt, sampling_params=params, cache_salt="tenant-a")
+    other = engine.generate(input_ids=prompt, sampling_params=params, cache_salt="tenant-b")
+    same = engine.generate(input_ids=prompt, sampling_params=params, cache_salt="tenant-a")
+    assert other[0]["meta_info"]["cached_tokens"] == 0 and same[0]["meta_info"]["cached_tokens"] == len(prompt) - 1
+
+
 def test_stop_strings_stop_tokens_and_the_budget_end_beams(engine, hf_model):
     base = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 6, "beam_width": 2, "ignore_eos": True})
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == 6 for o in base)
@@ -180,6 +191,13 @@ def test_stop_strings_stop_tokens_and_the_budget_end_beams(engine, hf_model):
         by_text = engine.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 6, "beam_width": 2, "ignore_eos": True, "stop": [stop]})
         hit = [o for o in by_text if o["meta_info"]["finish_reason"]["type"] == "stop"]
         assert hit and all(stop not in o["text"] for o in hit)
+
+
+def test_a_pathological_stop_regex_is_cut_off_by_the_search_time_limit(engine):
+    req = engine.make_request(lambda out: None, input_ids=PROMPT, sampling_params={"max_new_tokens": 40, "beam_width": 2, "stop_regex": "(a|aa)+b"})
+    a_tokens = engine.tokenizer("a" * 40, add_special_tokens=False).input_ids  # (a|aa)+b backtracks exponentially over them
+    with pytest.raises(StopRegexTooSlow, match="stop_regex"):
+        engine._beam_stop(req)(a_tokens)
 
 
 @pytest.mark.parametrize(
@@ -264,3 +282,23 @@ def test_generate_answers_beam_width_outputs_and_completions_take_use_beam_searc
     comp = oai.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, n=3, extra_body={"use_beam_search": True})
     assert [c.text for c in comp.choices] == [o["text"] for o in want]
     assert [c.index for c in comp.choices] == [0, 1, 2] and comp.usage.completion_tokens == sum(len(o["output_ids"]) for o in want)
+
+
+def test_a_client_that_leaves_ends_its_beam_search_at_the_next_round(tiny_server):
+    def stats() -> dict:
+        return httpx.get(tiny_server.base_url + "/get_server_info", timeout=60).json()["stats"]
+
+    before = stats()["forward_passes"]
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2000, "beam_width": 4, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.base_url + "/generate", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline, last, still_since = time.monotonic() + 300, -1, time.monotonic()
+    while time.monotonic() < deadline:  # until no pass has run for a second (rounds follow each other closely)
+        after = stats()
+        if after["forward_passes"] != last:
+            last, still_since = after["forward_passes"], time.monotonic()
+        elif time.monotonic() - still_since > 1.0:
+            break
+        time.sleep(0.1)
+    assert after["num_running"] == 0 and after["running_slots"] == 0 and after["kv_invariant_holds"]
+    assert after["forward_passes"] - before < 2000, "the search ran on after its client left"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from radixlm.runtime.beam_search import BeamSearch, Hypothesis
 from radixlm.runtime.engine.results import async_sink, await_final, wait_final
 from radixlm.runtime.request import Req, ReqOutput
+from radixlm.runtime.stop_regex import find_stop_regex, search_deadline
 
 
 class BeamIntake:
@@ -51,7 +51,6 @@ class BeamIntake:
         p = req.params
         ends = set() if p.ignore_eos else set(self.end_ids)
         stop_ids = set(p.stop_token_ids)
-        patterns = [re.compile(s) for s in p.stop_regex]
         grammar = self.grammars.compile(*p.constraint) if p.constraint is not None else None
         matchers: dict[tuple[int, ...], Any] = {}  # this round's parents, each advanced through its tokens
 
@@ -75,14 +74,15 @@ class BeamIntake:
             last = tokens[-1]
             if last in ends or last in stop_ids:
                 return {"type": "stop", "matched": last}
-            if p.stop or patterns:
+            if p.stop or p.stop_regex:
                 text = self.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
                 for s in p.stop:
                     if s in text:
                         return {"type": "stop", "matched": s}
-                for pattern in patterns:
-                    if pattern.search(text):
-                        return {"type": "stop", "matched": pattern.pattern}
+                # time-limited, as the decoder searches them: a pathological pattern raises StopRegexTooSlow
+                found = find_stop_regex(text, len(text), p.stop_regex, search_deadline()) if p.stop_regex else None
+                if found is not None:
+                    return {"type": "stop", "matched": found[2]}
             if grammar is not None and grammar_ends(tokens):  # as the decoder ends a request there
                 return {"type": "stop", "matched": None}
             return None
@@ -144,7 +144,8 @@ class BeamIntake:
         text = self.tokenizer.decode(h.tokens, skip_special_tokens=p.skip_special_tokens)
         matched = h.finish.get("matched")
         if isinstance(matched, str) and not p.no_stop_trim:
-            cut = text.find(matched) if matched in p.stop else _regex_start(matched, text)
+            found = None if matched in p.stop else find_stop_regex(text, len(text), [matched], search_deadline())
+            cut = text.find(matched) if found is None else found[0]
             if cut >= 0:
                 text = text[:cut]
         meta: dict[str, Any] = {
@@ -221,7 +222,3 @@ class BeamAborted(RuntimeError):
         super().__init__(message)
         self.status = status
 
-
-def _regex_start(pattern: str, text: str) -> int:
-    m = re.search(pattern, text)
-    return m.start() if m else -1

@@ -14,6 +14,7 @@ from radixlm.runtime.engine.beam import BeamAborted
 from radixlm.runtime.entrypoints.http.common import ServerState
 from radixlm.runtime.entrypoints.http.errors import APIError, bad_request
 from radixlm.runtime.request import ReqOutput
+from radixlm.runtime.stop_regex import StopRegexTooSlow
 
 
 def beam_width_of(params: Any) -> int:
@@ -44,6 +45,8 @@ async def run_beams(state: ServerState, request: Request, calls: list[dict[str, 
         raise APIError(503, str(exc)) from None
     except BeamAborted as exc:
         raise APIError(exc.status or 500, f"beam search ended early: {exc}") from None
+    except StopRegexTooSlow as exc:
+        raise APIError(400, str(exc), param="stop_regex") from None
     outs = [[ReqOutput(a["meta_info"]["id"], a["text"], a["output_ids"], a["meta_info"], True) for a in answer] for answer in answers]
     for hyps in outs:
         if hyps:
