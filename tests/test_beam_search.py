@@ -284,7 +284,19 @@ def test_generate_answers_beam_width_outputs_and_completions_take_use_beam_searc
     assert [c.index for c in comp.choices] == [0, 1, 2] and comp.usage.completion_tokens == sum(len(o["output_ids"]) for o in want)
 
 
-def test_a_client_that_leaves_ends_its_beam_search_at_the_next_round(tiny_server):
+@pytest.fixture
+def own_server(tiny_llama):
+    """A server of its own: a long search would otherwise leave the shared server's cache full of beams."""
+    from helpers import ServerProcess
+
+    server = ServerProcess(tiny_llama, "--max-total-tokens", "4096")
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_client_that_leaves_ends_its_beam_search_at_the_next_round(own_server):
+    tiny_server = own_server
+
     def stats() -> dict:
         return httpx.get(tiny_server.base_url + "/get_server_info", timeout=60).json()["stats"]
 
