@@ -62,6 +62,7 @@ def gen(
     json_schema: Any = None,
     tools: list[Any] | None = None,
     return_cache_info: bool | None = None,
+    lora: str | None = None,
 ) -> ir.Expr:
     """Generate text into variable ``name``; constrain it with ``regex``, ``json_schema``, ``dtype`` or ``tools``.
 
@@ -71,13 +72,15 @@ def gen(
     ``{"name", "arguments"}``. ``n=k`` draws k samples that share the prompt's KV: the variable
     is the list of the k texts (its meta info the list of their meta infos) and the program's
     text goes on with the first. ``stop_regex`` stops at the first match of a pattern in the
-    generated text (trimmed from the output, like ``stop``).
+    generated text (trimmed from the output, like ``stop``). ``lora`` names the LoRA adapter this
+    call generates with (the run's ``lora`` otherwise; see docs/lora.md).
     """
-    label = ir.describe_call("gen", name, max_tokens=max_tokens, stop=stop, temperature=temperature, dtype=dtype, regex=regex, json_schema=json_schema, choices=choices, tools=[getattr(t, "name", getattr(t, "__name__", t)) for t in tools] if tools else None)
+    label = ir.describe_call("gen", name, max_tokens=max_tokens, stop=stop, temperature=temperature, dtype=dtype, regex=regex, json_schema=json_schema, choices=choices, tools=[getattr(t, "name", getattr(t, "__name__", t)) for t in tools] if tools else None, lora=lora)
     if n is not None and n != 1 and (tools is not None or choices is not None):
         raise ValueError(f"{label}: n > 1 cannot be combined with tools or choices")
+    lora = ir.check_lora(lora, label)
     if choices is not None:
-        return select(name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized)
+        return select(name, choices, 0.0 if temperature is None else temperature, choices_method or token_length_normalized, lora=lora)
     constraints = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("dtype", dtype), ("tools", tools)) if v is not None]
     if len(constraints) > 1:
         raise ValueError(f"{label}: give at most one of regex, json_schema, dtype, tools (got {', '.join(constraints)})")
@@ -108,7 +111,7 @@ def gen(
         raise ValueError(f"{label}: {exc}") from None
     if return_cache_info is not None and not isinstance(return_cache_info, bool):
         raise ValueError(f"{label}: return_cache_info must be a boolean")
-    return ir.Gen(name, params, regex, schema, tool_list, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, label, return_cache_info)
+    return ir.Gen(name, params, regex, schema, tool_list, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, label, return_cache_info, lora)
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> ir.Expr:
@@ -121,9 +124,11 @@ def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs:
     return gen(name, max_tokens, dtype=str, **kwargs)
 
 
-def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0, choices_method: ChoicesMethod = token_length_normalized) -> ir.Expr:
-    """Append the choice the model scores highest (all scored in one batched prefill) as ``name``."""
-    label = ir.describe_call("select", name, choices=choices)
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0, choices_method: ChoicesMethod = token_length_normalized, lora: str | None = None) -> ir.Expr:
+    """Append the choice the model scores highest (all scored in one batched prefill) as ``name``;
+    ``lora``: the LoRA adapter that scores them (the run's ``lora`` otherwise)."""
+    label = ir.describe_call("select", name, choices=choices, lora=lora)
+    lora = ir.check_lora(lora, label)
     if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"{label}: choices must be a non-empty list of non-empty strings")
     if not isinstance(choices_method, ChoicesMethod):
@@ -132,7 +137,7 @@ def select(name: str | None = None, choices: list[str] | None = None, temperatur
         raise ValueError(f"{label}: temperature must be >= 0")
     if temperature > 0 and not choices_method.supports_temperature:
         raise ValueError(f"{label}: {choices_method!r} cannot sample (use temperature=0)")
-    return ir.Select(name, list(choices), float(temperature), choices_method, label)
+    return ir.Select(name, list(choices), float(temperature), choices_method, label, lora)
 
 
 def _role(role: str, expr: Any = None) -> ir.Expr:

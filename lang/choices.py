@@ -158,20 +158,21 @@ def choice_spans(prompt_ids: list[int], full_ids: list[list[int]], choices: list
     return starts
 
 
-def score_choices(backend, prompt: str, choices: list[str], method: ChoicesMethod) -> tuple[ChoiceScores, list[dict[str, Any]]]:
+def score_choices(backend, prompt: str, choices: list[str], method: ChoicesMethod, **options: Any) -> tuple[ChoiceScores, list[dict[str, Any]]]:
     """Score every choice in one batched prefill that shares the prompt's KV.
 
+    ``options`` go to every ``backend.prefill`` (``lora``: the adapter whose logprobs they are).
     Returns the scores and the meta_info of each scoring request (prompt/cached token counts).
     """
     ids = backend.tokenize([prompt] + [prompt + c for c in choices])
     prompt_ids, full = ids[0], ids[1:]
     starts = choice_spans(prompt_ids, full, choices)
     first = min(starts)
-    outs = backend.prefill(full, logprob_start_len=first)
+    outs = backend.prefill(full, logprob_start_len=first, **options)
     token_lps = [[tuple(t) for t in out["meta_info"]["input_token_logprobs"][s - first :]] for out, s in zip(outs, starts)]
     scores = ChoiceScores(list(choices), token_lps)
     if method.needs_unconditional:
         spans = [ids_[s:] for ids_, s in zip(full, starts)]
-        alone = backend.prefill(spans, logprob_start_len=0)
+        alone = backend.prefill(spans, logprob_start_len=0, **options)
         scores.unconditional = [[tuple(t) for t in out["meta_info"]["input_token_logprobs"]] for out in alone]
     return scores, [o["meta_info"] for o in outs]

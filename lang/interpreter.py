@@ -40,6 +40,7 @@ class RunDefaults:
     top_logprobs_num: int | None = None
     return_text_in_logprobs: bool | None = None
     program: str | None = None  # the function's name, sent as the origin label where the backend takes one
+    lora: str | None = None  # the LoRA adapter of the run's gen and select calls (each may name its own)
 
 
 _LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs")
@@ -51,6 +52,25 @@ def _takes_cache_options(backend) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _takes_lora(method: Any) -> bool:
+    """True when a backend method takes ``lora`` (by name or in its ``**kwargs``)."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return "lora" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _lora_option(backend: Any, method: str, lora: str | None, label: str) -> dict[str, Any]:
+    """``{"lora": lora}`` for the backend's ``method`` (empty for the base model); a backend that
+    cannot send an adapter is refused by name rather than silently answering with the base model."""
+    if lora is None:
+        return {}
+    if not _takes_lora(getattr(backend, method)):
+        raise ValueError(f"{label}: lora={lora!r} needs a backend that sends LoRA adapters ({type(backend).__name__}.{method} takes no lora)")
+    return {"lora": lora}
 
 
 def _label(expr: ir.Expr) -> str:
@@ -204,7 +224,7 @@ class StreamExecutor:
             self.submit(ir.CachePrefix(), site)
         self.sync()
         if precache and self._ended and self.error is None and self.transcript.text:
-            _check_finished(self.backend.cache_prefix(self.transcript.text))  # forking a finished state
+            _check_finished(self._cache_prefix(self.transcript.text))  # forking a finished state
         if self.error is not None:
             raise self.error.again()
         branches = [StreamExecutor(self.backend, self.defaults, self.stream, self.transcript.copy(), self.variables, self.meta_info, self.num_api_spec_tokens) for _ in range(size)]
@@ -263,7 +283,7 @@ class StreamExecutor:
             self._set_var(expr.name, expr.value, expr.meta_info)
         elif isinstance(expr, ir.CachePrefix):
             if t.text:
-                _check_finished(self.backend.cache_prefix(t.text))
+                _check_finished(self._cache_prefix(t.text))
         else:
             raise TypeError(f"cannot run {type(expr).__name__} (is it a traced placeholder?)")
 
@@ -279,6 +299,14 @@ class StreamExecutor:
                 self.meta_info[name] = meta
             self.set_since_fork.append(name)
             self.cond.notify_all()
+
+    def lora_of(self, expr: ir.Gen | ir.Select) -> str | None:
+        """The LoRA adapter ``expr`` runs with: its own, else the run's (None: the base model)."""
+        return expr.lora if expr.lora is not None else self.defaults.lora
+
+    def _cache_prefix(self, text: str) -> dict[str, Any]:
+        """Prefill ``text`` under the run's adapter (KV is cached per adapter: the base model's would not serve it)."""
+        return self.backend.cache_prefix(text, **_lora_option(self.backend, "cache_prefix", self.defaults.lora, "fork()"))
 
     def _options(self, g: ir.Gen) -> dict[str, Any]:
         d = self.defaults
@@ -299,6 +327,7 @@ class StreamExecutor:
             options["return_cache_info"] = True
         if d.program is not None and takes_labels:
             options["program"] = d.program
+        options.update(_lora_option(self.backend, "generate", self.lora_of(g), g.label))
         return options
 
     def _gen(self, g: ir.Gen) -> None:
@@ -362,7 +391,7 @@ class StreamExecutor:
             self._set_var(g.name, call, out["meta_info"])
 
     def _select(self, sel: ir.Select) -> None:
-        scores, metas = score_choices(self.backend, self.transcript.text, sel.choices, sel.method)
+        scores, metas = score_choices(self.backend, self.transcript.text, sel.choices, sel.method, **_lora_option(self.backend, "prefill", self.lora_of(sel), sel.label))
         index, meta = sel.method.decide(scores, sel.temperature)
         meta["prompt_tokens"] = [m["prompt_tokens"] for m in metas]
         meta["cached_tokens"] = [m["cached_tokens"] for m in metas]

@@ -108,6 +108,7 @@ class Gen(Expr):
     return_text_in_logprobs: bool | None = None
     label: str = "gen()"
     return_cache_info: bool | None = None  # meta_info gains the runtime's cache explanation
+    lora: str | None = None  # the LoRA adapter's name; None: the run's
 
     @property
     def var_name(self) -> str | None:
@@ -123,6 +124,7 @@ class Select(Expr):
     temperature: float
     method: Any  # a radixlm.lang.choices.ChoicesMethod
     label: str = "select()"
+    lora: str | None = None  # the LoRA adapter its choices are scored with; None: the run's
 
     @property
     def var_name(self) -> str | None:
@@ -145,6 +147,17 @@ class SetVar(Expr):
 @dataclass(eq=False)
 class CachePrefix(Expr):
     """Prefill the state's text with no new tokens, so requests that extend it hit the cache."""
+
+
+def check_lora(lora: Any, label: str) -> str | None:
+    """``lora`` checked as an adapter's name (None: not given); the error names ``lora``."""
+    if lora is None:
+        return None
+    if not isinstance(lora, str):
+        raise TypeError(f"{label}: lora must be a LoRA adapter's name (a string), not {type(lora).__name__}")
+    if not lora.strip():
+        raise ValueError(f"{label}: lora must be a non-empty LoRA adapter name, got {lora!r}")
+    return lora
 
 
 def describe_call(fn: str, first: Any = None, **kwargs: Any) -> str:

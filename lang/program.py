@@ -13,6 +13,7 @@ from typing import Any
 from radixlm.lang.backend.base import Backend
 from radixlm.lang.global_config import global_config
 from radixlm.lang.interpreter import RunDefaults, StreamExecutor
+from radixlm.lang.ir import check_lora
 from radixlm.lang.state import ProgramState
 from radixlm.lang.tracer import Argument, Trace, TracingState, trace_program
 from radixlm.runtime.sampling_params import SamplingParams
@@ -52,7 +53,7 @@ def _resolve(backend: Any) -> Backend:
     return default
 
 
-def _defaults(caller: str, max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs) -> RunDefaults:
+def _defaults(caller: str, max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, lora) -> RunDefaults:
     params = {
         "max_new_tokens": max_new_tokens, "n": None if n == 1 else n, "stop": stop, "stop_token_ids": stop_token_ids,
         "stop_regex": stop_regex or None, "temperature": temperature,
@@ -64,7 +65,7 @@ def _defaults(caller: str, max_new_tokens, n, stop, stop_token_ids, stop_regex, 
         SamplingParams.from_dict(dict(params))
     except ValueError as exc:
         raise ValueError(f"{caller}: {exc}") from None
-    return RunDefaults(params, bool(return_logprob), logprob_start_len, top_logprobs_num, return_text_in_logprobs)
+    return RunDefaults(params, bool(return_logprob), logprob_start_len, top_logprobs_num, return_text_in_logprobs, lora=check_lora(lora, caller))
 
 
 class Function:
@@ -132,14 +133,18 @@ class Function:
         return_text_in_logprobs: bool | None = None,
         stream: bool = False,
         backend: Any = None,
+        lora: str | None = None,
         **kwargs: Any,
     ) -> ProgramState:
         """Run the program once; sampling arguments are defaults its ``gen`` calls may override.
 
+        ``lora`` names the LoRA adapter every ``gen`` and ``select`` of the run uses, unless the
+        call names its own (see docs/lora.md).
+
         Returns the final state (with ``stream=True`` at once, while the program runs). A failed
         call is kept in ``state.error()`` and raised when its variable is read.
         """
-        defaults = _defaults(f"{self.func.__name__}.run", max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
+        defaults = _defaults(f"{self.func.__name__}.run", max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, lora)
         return self._start(_resolve(backend), defaults, stream, *self._bind(args, kwargs))
 
     def _start(self, backend: Backend, defaults: RunDefaults, stream: bool, args: tuple, kwargs: dict[str, Any]) -> ProgramState:
@@ -193,6 +198,7 @@ class Function:
         num_threads: int | str = "auto",
         progress_bar: bool = False,
         generator_style: bool = False,
+        lora: str | None = None,
     ) -> list[ProgramState] | Iterator[ProgramState]:
         """Run the program once per argument set, concurrently, after prefilling their shared prefix.
 
@@ -200,16 +206,17 @@ class Function:
         ones. The shared prefix is found by tracing the program's Python once with placeholder
         arguments (arguments equal in every instance count as constants); set
         ``global_config.enable_precache_with_tracing = False`` to skip it. Returns the states in
-        order (``generator_style``: yields each in order as it finishes).
+        order (``generator_style``: yields each in order as it finishes). ``lora``: the LoRA
+        adapter of every run (and of the shared prefix's prefill), as in ``run``.
         """
         if not isinstance(batch_kwargs, (list, tuple)) or not all(isinstance(kw, (dict, list, tuple)) for kw in batch_kwargs):
             raise TypeError("run_batch takes a list of keyword-argument dicts or of positional-argument lists")
         batch_kwargs = [kw if isinstance(kw, dict) else self._keywords(kw) for kw in batch_kwargs]
-        defaults = _defaults(f"{self.func.__name__}.run_batch", max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs)
+        defaults = _defaults(f"{self.func.__name__}.run_batch", max_new_tokens, n, stop, stop_token_ids, stop_regex, temperature, top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos, return_logprob, logprob_start_len, top_logprobs_num, return_text_in_logprobs, lora)
         backend = _resolve(backend)
         bound = [self._bind((), kw) for kw in batch_kwargs]
         if len(batch_kwargs) > 1 and global_config.enable_precache_with_tracing:
-            self.cache(backend, **_shared_values(batch_kwargs))
+            self._cache(backend, _shared_values(batch_kwargs), defaults.lora)
         if num_threads == "auto":
             num_threads = min(max(len(batch_kwargs), 1), 128)
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -242,10 +249,13 @@ class Function:
 
     def cache(self, backend: Any = None, **kwargs: Any) -> Trace:
         """Prefill the program's shared prefix on the backend so every call starts from the cache."""
-        backend = _resolve(backend)
+        return self._cache(_resolve(backend), kwargs, None)
+
+    def _cache(self, backend: Backend, kwargs: dict[str, Any], lora: str | None) -> Trace:
+        """``cache``, prefilling under the LoRA adapter ``lora`` (KV is cached per adapter)."""
         found = self.trace(backend=backend, **kwargs)
         if found.prefix:
-            backend.cache_prefix(found.prefix)
+            backend.cache_prefix(found.prefix, **({"lora": lora} if lora is not None else {}))
         return found
 
 

@@ -6,6 +6,8 @@
   (completions with ``echo``), and otherwise generates one choice: constrained to the choices by a
   regex on servers with SGLang's extensions, else free text matched to the nearest choice.
   ``meta_info["select_method"]`` says which way was used.
+- A call's LoRA adapter (``gen(lora=...)``, else the run's) goes with every request it sends, as
+  the model ``"<model>:<name>"`` (``OpenAI.model_of``).
 - ``@function(num_api_spec_tokens=N)`` speculates (see ``radixlm.lang.api_speculation``), except in
   ``run(stream=True)`` and for constrained, ``n`` > 1 or logprob-returning ``gen`` calls, which
   are sent as they are.
@@ -70,6 +72,7 @@ class ApiExecution:
         self.ex = executor
         self.spec: Speculation | None = None
         self.plan: MessagePlan | None = None  # an assistant message whose gen calls are speculated
+        self.plan_lora: str | None = None  # the adapter of the plan's gen calls (all the same)
 
     @property
     def spec_tokens(self) -> int | None:
@@ -121,13 +124,13 @@ class ApiExecution:
         self._open_assistant(g.label)
         if g.tools:
             raise ValueError(f"{g.label}: gen(tools=...) needs a completion model on the OpenAI backend (is_chat_model=False)")
-        params = self._params(g)
+        params, lora = self._params(g), self.ex.lora_of(g)
         messages = [dict(m) for m in self.ex.transcript.messages]
         if self.ex.stream:
-            out = self._stream(g.name, messages, params)
+            out = self._stream(g.name, messages, params, lora)
             self._store(g.name, out["text"], out["meta_info"])
             return
-        outs = self.backend.request(messages, params, chat=True)
+        outs = self.backend.request(messages, params, chat=True, lora=lora)
         self.ex._append(outs[0]["text"])
         if g.name is not None:
             if len(outs) > 1:
@@ -135,9 +138,9 @@ class ApiExecution:
             else:
                 self.ex._set_var(g.name, outs[0]["text"], outs[0]["meta_info"])
 
-    def _stream(self, name: str | None, messages: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
+    def _stream(self, name: str | None, messages: list[dict[str, Any]], params: dict[str, Any], lora: str | None) -> dict[str, Any]:
         shown, out = 0, None
-        for out in self.backend.request_stream(messages, params, chat=True):
+        for out in self.backend.request_stream(messages, params, chat=True, lora=lora):
             shown = self.ex.show_streamed(name, out["text"], shown)
         return out
 
@@ -152,7 +155,11 @@ class ApiExecution:
             plan.add_text(expr.text)
             return True
         if isinstance(expr, ir.Gen) and not (expr.regex or expr.json_schema or expr.tools or self._params(expr).get("n", 1) > 1):
+            lora = self.ex.lora_of(expr)
+            if plan.has_gen and lora != self.plan_lora:
+                raise ValueError(f"{expr.label}: the gen calls of one speculated assistant message must share their LoRA adapter (one request writes the message); {plan.labels[0]} uses {self.plan_lora!r}")
             plan.add_gen(expr.name, self._params(expr), expr.label)
+            self.plan_lora = lora
             return True
         if isinstance(expr, ir.RoleEnd):
             return False
@@ -173,7 +180,7 @@ class ApiExecution:
         tries = 1 if params.get("temperature", 1.0) == 0 else 3
         written = []
         for _ in range(tries):
-            out = self.backend.request(messages, params, chat=True)[0]
+            out = self.backend.request(messages, params, chat=True, lora=self.plan_lora)[0]
             written.append(out["text"])
             values = plan.match(out["text"])
             if values is not None:
@@ -192,16 +199,16 @@ class ApiExecution:
         return not (self.ex.stream or g.regex or g.json_schema or g.tools or g.return_logprob or params.get("n", 1) > 1 or params.get("stop_regex"))
 
     def _spec_gen(self, g: ir.Gen) -> None:
-        params = self._params(g)
+        params, lora = self._params(g), self.ex.lora_of(g)
         text, stop, limit = self.ex.transcript.text, params.get("stop"), params.get("max_new_tokens", 128)
-        key = spec_key(params)
+        key = (spec_key(params), lora)  # another adapter's continuation serves no gen
         if self.spec is not None and self.spec.key == key:
             served = self.spec.serve(text, stop, limit)
             if served is not None:
                 self._take(g, served, {**_NO_USAGE, "api_spec": "served"})
                 return
         want = max(limit, self.spec_tokens)
-        out = self.backend.request(text, {**params, "stop": None, "max_new_tokens": want}, chat=False, logprobs=0)[0]
+        out = self.backend.request(text, {**params, "stop": None, "max_new_tokens": want}, chat=False, logprobs=0, lora=lora)[0]
         meta = out["meta_info"]
         tokens = [e[2] for e in meta.pop("output_token_logprobs", [])]
         meta.pop("text_offset", None)
@@ -210,7 +217,7 @@ class ApiExecution:
         served = self.spec.serve(text, stop, limit, fresh=True)
         if served is None:  # the gen's own token limit cannot be found in the speculated text
             self.spec = None
-            plain = self.backend.request(text, params, chat=False)[0]
+            plain = self.backend.request(text, params, chat=False, lora=lora)[0]
             self._take(g, (plain["text"], plain["meta_info"]["finish_reason"]), {**plain["meta_info"], **_pair(meta), "api_spec": "generated"})
             return
         self._take(g, served, {**meta, "api_spec": "generated"})
@@ -238,14 +245,14 @@ class ApiExecution:
         self._chose(sel, *self._generate_choice(sel))
 
     def _score(self, sel: ir.Select) -> tuple[int, dict[str, Any]]:
-        prompt = self.ex.transcript.text
-        outs = self.backend.request([prompt + c for c in sel.choices], {"max_new_tokens": 0}, chat=False, logprobs=0, echo=True)
+        prompt, lora = self.ex.transcript.text, self.ex.lora_of(sel)
+        outs = self.backend.request([prompt + c for c in sel.choices], {"max_new_tokens": 0}, chat=False, logprobs=0, echo=True, lora=lora)
         entries = [o["meta_info"].get("output_token_logprobs") or [] for o in outs]
         spans = [span_logprobs(e, c) for e, c in zip(entries, sel.choices)]
         scores = ChoiceScores(list(sel.choices), spans)
         if sel.method.needs_unconditional:
             texts = ["".join(t[2] or "" for t in s) for s in spans]
-            alone = self.backend.request(texts, {"max_new_tokens": 0}, chat=False, logprobs=0, echo=True)
+            alone = self.backend.request(texts, {"max_new_tokens": 0}, chat=False, logprobs=0, echo=True, lora=lora)
             scores.unconditional = [[tuple(t) for t in (o["meta_info"].get("output_token_logprobs") or [])][-len(s) :] for o, s in zip(alone, spans)]
         index, meta = sel.method.decide(scores, sel.temperature)
         meta.update(select_method="scored", prompt_tokens=[len(e) for e in entries], cached_tokens=outs[0]["meta_info"]["cached_tokens"] if outs else 0)
@@ -256,17 +263,18 @@ class ApiExecution:
         chat = b.is_chat_model
         prompt: Any = [dict(m) for m in self.ex.transcript.messages] if chat else self.ex.transcript.text
         params: dict[str, Any] = {"max_new_tokens": 4 * max(len(c) for c in sel.choices) + 4, "temperature": sel.temperature}
+        lora = self.ex.lora_of(sel)
         how = "generated"
         if b.server_extensions and not b.refused("regex"):
             try:
-                out = b.request(prompt, {**params, "regex": choices_regex(sel.choices)}, chat=chat)[0]
+                out = b.request(prompt, {**params, "regex": choices_regex(sel.choices)}, chat=chat, lora=lora)[0]
                 how = "constrained"
             except ValueError as exc:
                 if "refused" not in str(exc):
                     raise
                 b.mark_refused("regex")
         if how == "generated":
-            out = b.request(prompt, params, chat=chat)[0]
+            out = b.request(prompt, params, chat=chat, lora=lora)[0]
         index = nearest_choice(out["text"], sel.choices)
         return index, {**out["meta_info"], "select_method": how, "generated_text": out["text"]}
 

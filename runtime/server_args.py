@@ -70,6 +70,7 @@ class ServerArgs:
     enable_lora: bool = _opt(False, "Serve LoRA adapters (on when --lora-paths is given): requests pick one by lora / lora_path / model \"base:name\"; adapters load and unload at run time. See docs/lora.md.")
     lora_paths: list[str] | None = _opt(None, "LoRA adapters (PEFT folders: adapter_config.json + adapter_model.safetensors) to serve, as name=path (a bare path is named by its folder).", nargs="+")
     max_loras_per_batch: int = _opt(8, "Most distinct LoRA adapters among the running requests (and so in one batch); a request of another adapter waits.")
+    lora_dtype: str = _opt("auto", "How LoRA adapters are stored: auto (the model's dtype), float32, bfloat16 or float16. A decode step of many adapters reads each one's pairs, so bfloat16 halves that traffic for an fp32 model; it needs the grouped kernels (the C++ one on CPUs, Triton on GPUs), and elsewhere falls back to the model's dtype (logged).", choices=["auto", "float32", "bfloat16", "float16"])
     max_loaded_loras: int | None = _opt(None, "Most LoRA adapters held in memory; past it, the least recently used one no running request uses is evicted (and read again from its folder when next asked for). Default: no bound.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
@@ -150,6 +151,8 @@ class ServerArgs:
             raise ValueError(f"max_loaded_loras must be a positive integer, got {n!r}")
         if self.lora_paths is not None and (isinstance(self.lora_paths, str) or not all(isinstance(p, str) for p in self.lora_paths)):
             raise ValueError(f"lora_paths must be a list of name=path strings, got {self.lora_paths!r}")
+        if self.lora_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"lora_dtype must be auto, float32, bfloat16 or float16, got {self.lora_dtype!r}")
         if self.lora_enabled and self.tp_size > 1:
             raise ValueError("LoRA adapters (lora_paths, enable_lora) do not run with tp_size > 1 yet")
 

@@ -24,7 +24,14 @@ os.environ.setdefault("RADIXLM_CHECK_ACCOUNTING", "1")
 os.environ.setdefault("RADIXLM_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["RADIXLM_NUM_THREADS"]))
 
-from helpers import API_KEY, TINY_ARCHS, built_cpp_kernels, make_tiny_model  # noqa: E402
+from helpers import (  # noqa: E402
+    API_KEY,
+    LORA_ADAPTERS,
+    TINY_ARCHS,
+    built_cpp_kernels,
+    make_adapter,
+    make_tiny_model,
+)
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +51,14 @@ def tiny_model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def tiny_llama(tiny_model_dirs: dict[str, str]) -> str:
     """Path of the tiny Llama checkpoint."""
     return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Folders of three tiny random PEFT adapters of the tiny Llama (``LORA_ADAPTERS``), by name;
+    strong enough that each changes the greedy tokens."""
+    root = tmp_path_factory.mktemp("loras")
+    return {name: make_adapter(tiny_llama, root / name, r, a, t, rs, seed=i + 1) for i, (name, (r, a, t, rs)) in enumerate(LORA_ADAPTERS.items())}
 
 
 @pytest.fixture(scope="session")

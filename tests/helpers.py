@@ -112,6 +112,33 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
     return str(folder)
 
 
+# name -> (rank, alpha, targets, rslora) of the tiny Llama's test adapters (``lora_adapters`` in
+# conftest.py): different ranks and target sets; "fused" targets only parts of our fused
+# projections (q/k/v in qkv_proj, gate/up in gate_up_proj)
+LORA_ADAPTERS = {
+    "attn": (4, 8, ["q_proj", "v_proj", "o_proj"], False),
+    "mlp": (16, 16, ["down_proj", "up_proj"], True),
+    "fused": (8, 32, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], False),
+}
+
+
+def make_adapter(base: str, folder: Path, rank: int, alpha: int, targets: list[str], rslora: bool = False, seed: int = 0) -> str:
+    """Save a PEFT LoRA adapter with random non-zero A and B for the checkpoint ``base``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    peft_model.save_pretrained(str(folder))
+    return str(folder)
+
+
 def _family_config(arch: str, common: dict):
     """The transformers config of a tiny ``FAMILY_ARCHS`` model (each family's distinctive piece switched on)."""
     from transformers import (
@@ -600,3 +627,16 @@ class FakeWorker:
 
     def stop(self) -> None:
         self.http.stop()
+
+
+class FakeAdapter:
+    """An adapter of random pairs of ``ranks`` (by output part; None: the whole module) on ``module``
+    (``width`` inputs, output parts of ``part_rows`` rows), packed as load_adapter packs them."""
+
+    def __init__(self, name: str, ranks: dict[int | None, int], module: str = "layers.0.m", width: int = 6, part_rows: tuple[int, int] = (2, 3), dtype: torch.dtype = torch.float32) -> None:
+        from radixlm.runtime.lora.adapter import _pack
+
+        rows = {0: part_rows[0], 1: part_rows[1], None: sum(part_rows)}
+        parts = {p: (torch.randn(r, width), torch.randn(rows[p], r)) for p, r in ranks.items()}
+        a, b, blocks = _pack(parts, list(part_rows), 0.5, dtype, "cpu")
+        self.name, self.weights, self.blocks, self.compact = name, {module: (a, b)}, {module: blocks}, {}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import radixlm
-from helpers import wait_until
+from helpers import FakeAdapter, make_adapter, wait_until
 from radixlm.runtime.loader import load_model_config as load_config
 from radixlm.runtime.lora.adapter import load_adapter
 from radixlm.runtime.lora.batch import LoraBatch, add_lora_deltas, segments_of, stacked_plan
@@ -21,30 +21,6 @@ from radixlm.runtime.lora.manager import parse_lora_paths
 from radixlm.runtime.lora.pool import LoraPool
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-# name -> (rank, alpha, targets, rslora): different ranks and target sets; "fused" targets only
-# parts of our fused projections (q/k/v in qkv_proj, gate/up in gate_up_proj)
-ADAPTERS = {
-    "attn": (4, 8, ["q_proj", "v_proj", "o_proj"], False),
-    "mlp": (16, 16, ["down_proj", "up_proj"], True),
-    "fused": (8, 32, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], False),
-}
-
-
-def make_adapter(base: str, folder: Path, rank: int, alpha: int, targets: list[str], rslora: bool = False, seed: int = 0) -> str:
-    """Save a PEFT LoRA adapter with random non-zero A and B for the checkpoint ``base``."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0)
-    peft_model = get_peft_model(model, cfg)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3)
-    peft_model.save_pretrained(str(folder))
-    return str(folder)
 
 
 def merged_model(base: str, adapter: str | None):
@@ -69,10 +45,9 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Three tiny random adapters of the tiny Llama."""
-    root = tmp_path_factory.mktemp("loras")
-    return {name: make_adapter(tiny_llama, root / name, r, a, t, rs, seed=i + 1) for i, (name, (r, a, t, rs)) in enumerate(ADAPTERS.items())}
+def adapters(lora_adapters: dict[str, str]) -> dict[str, str]:
+    """Three tiny random adapters of the tiny Llama (``LORA_ADAPTERS``)."""
+    return lora_adapters
 
 
 @pytest.fixture(scope="module")
@@ -208,18 +183,6 @@ def test_parse_lora_paths():
 
 
 # ------------------------------------------------------------------ grouped deltas
-class FakeAdapter:
-    """An adapter of random pairs on module ``layers.0.m`` (output parts of 2 and 3 rows), packed as load_adapter packs them."""
-
-    def __init__(self, name: str, ranks: dict[int | None, int], module: str = "layers.0.m") -> None:
-        from radixlm.runtime.lora.adapter import _pack
-
-        rows = {0: 2, 1: 3, None: 5}
-        parts = {p: (torch.randn(r, 6), torch.randn(rows[p], r)) for p, r in ranks.items()}
-        a, b, blocks = _pack(parts, [2, 3], 0.5, torch.float32, "cpu")
-        self.name, self.weights, self.blocks, self.compact = name, {module: (a, b)}, {module: blocks}, {}
-
-
 def test_grouped_deltas_equal_per_row_deltas():
     """The per-segment and the stacked (batched) paths both add each row's own adapter delta."""
     torch.manual_seed(0)
@@ -248,6 +211,35 @@ def test_grouped_deltas_equal_per_row_deltas():
     assert stacked_a.shape == (6, 6, 3 + 4) and b0.shape == (6, 3, 2) and b1.shape == (6, 4, 3)  # per part: no zero blocks but the rank padding
     assert stacked_plan(segments[:1], torch.device("cpu"), {}) is None  # one segment: the loop
     assert stacked_plan([(0, 1, a), (1, 2, b), (2, 40, a)], torch.device("cpu"), {}) is None  # padding would cost too much
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)])
+def test_cpu_kernel_adds_each_segments_own_delta(cpp_ext, x_dtype, w_dtype):
+    """The C++ grouped kernel gives the per-row sums: segments longer than its token block, parts
+    wider than its column chunk, rank 64, adapters on some parts only, rows of no adapter untouched."""
+    torch.manual_seed(1)
+    width, part_rows = 40, (300, 70)
+    make = lambda name, ranks, module="layers.0.m": FakeAdapter(name, ranks, module, width, part_rows, w_dtype)  # noqa: E731
+    a, b, c = make("a", {0: 64, 1: 8}), make("b", {1: 5}), make("c", {None: 12})
+    d = make("d", {0: 3}, module="layers.0.other")
+    lengths, rows = [1, 1, 1, 1, 19, 2, 9], [a, None, b, d, c, None, a]  # 19: two of the shrink's token blocks
+    segments = segments_of(lengths, rows)
+    n = sum(lengths)
+    x, base = torch.randn(n, width).to(x_dtype), torch.randn(n, sum(part_rows)).to(x_dtype)
+    want = base.float().clone()
+    token = 0
+    for length, ad in zip(lengths, rows):
+        if ad is not None and "layers.0.m" in ad.weights:
+            A, B = (w.float() for w in ad.weights["layers.0.m"])
+            want[token : token + length] += x[token : token + length].float() @ A.T @ B.T
+        token += length
+    batch = LoraBatch(segments, {"m": list(part_rows), "other": [sum(part_rows)]}, kernels=cpp_ext)
+    got = add_lora_deltas(x, base.clone(), "layers.0.m", batch)
+    assert got.dtype == x_dtype
+    tol = dict(atol=1e-4, rtol=1e-4) if x_dtype == torch.float32 else dict(atol=0.5, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want, **tol)
+    assert torch.equal(got[[1, 3, 23, 24]], base[[1, 3, 23, 24]])  # the base rows and the other module's adapter
+    assert torch.equal(add_lora_deltas(x, base.clone(), "layers.0.other", LoraBatch(segments[2:3], {"other": [370]}, kernels=cpp_ext)), base)  # no pair there
 
 
 # ------------------------------------------------------------------ the pool
@@ -385,6 +377,33 @@ def test_http_routes(tiny_llama, adapters, engine):
         eng.shutdown()
 
 
+def test_adapters_stored_in_bf16_give_the_fp32_adapters_outputs(tiny_llama, adapters, engine):
+    """``lora_dtype="bfloat16"`` keeps the pairs in bf16 (the C++ kernel widens them as it reads);
+    the adapter's top logprobs keep their order and stay near the fp32-stored adapter's."""
+    ids, params = PROMPTS[0], {**GREEDY, "max_new_tokens": 1}
+
+    def first_logprob(eng, lora):
+        out = eng.generate(input_ids=ids, sampling_params=params, lora=lora, return_logprob=True, top_logprobs_num=5, cache_salt="bf16")
+        return {tok: lp for lp, tok, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+    want, base = first_logprob(engine, "fused"), first_logprob(engine, None)
+    with radixlm.Engine(model_path=tiny_llama, max_total_tokens=1024, lora_paths=[f"fused={adapters['fused']}"], lora_dtype="bfloat16") as eng:
+        assert all(a.dtype == torch.bfloat16 for pair in eng.runner.lora.pool.get("fused").weights.values() for a in pair)
+        got = first_logprob(eng, "fused")
+    assert list(got) == list(want) != list(base)  # the adapter reorders the top 5; stored in bf16, it keeps that order
+    rounding = max(abs(got[tok] - lp) for tok, lp in want.items())
+    assert rounding < 0.1, (got, want)  # measured 0.07: these random adapters move logprobs by several units
+
+
+def test_lora_dtype_falls_back_to_the_models_without_the_grouped_kernels(caplog):
+    from radixlm.runtime.lora.manager import adapter_dtype
+
+    assert adapter_dtype("bfloat16", torch.float32, grouped_kernels=True) == torch.bfloat16
+    assert adapter_dtype("auto", torch.float32, grouped_kernels=True) == torch.float32
+    assert adapter_dtype("bfloat16", torch.float32, grouped_kernels=False) == torch.float32
+    assert "lora_dtype=bfloat16" in caplog.text
+
+
 def test_server_options():
     import argparse
 
@@ -398,3 +417,6 @@ def test_server_options():
         ServerArgs.from_kwargs(lora_paths=["a=/x"], tp_size=2)
     with pytest.raises(ValueError, match="max_loras_per_batch"):
         ServerArgs.from_kwargs(max_loras_per_batch=0)
+    assert ServerArgs.from_cli(parser.parse_args(["--lora-dtype", "bfloat16"])).lora_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="lora_dtype"):
+        ServerArgs.from_kwargs(lora_dtype="int8")

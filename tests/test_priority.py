@@ -120,7 +120,7 @@ def test_when_decoding_outgrows_the_pool_the_least_urgent_request_is_retracted_n
 
 
 def test_a_request_whose_adapter_does_not_fit_the_batch_preempts_for_its_adapter_slot(tiny_llama, tmp_path):
-    from test_lora import make_adapter
+    from helpers import make_adapter
 
     paths = [f"{name}={make_adapter(tiny_llama, tmp_path / name, 4, 8, ['q_proj', 'v_proj'], seed=i)}" for i, name in enumerate(("a", "b"))]
     d = _driver(tiny_llama, lora_paths=paths, max_loras_per_batch=1)

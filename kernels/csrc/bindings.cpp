@@ -27,5 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_native_types", &gguf_native_types, "The GGUF type ids gguf_linear and gguf_dequantize_rows take");
   m.def("fp8_linear", &fp8_linear, "x @ (W * scale).T for float32 x [M, K] and W the e4m3 bytes [N, K] (uint8), scales per tensor, row or [block_n, block_k] block",
         py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("block_n") = 0, py::arg("block_k") = 0);
+  m.def("lora_add", &lora_add, "out[s:e, lo:lo+n] += (x[s:e] @ A) @ B for each segment's adapter (A [in, R], R a multiple of 16; B parts [r, n]), in place",
+        py::arg("x"), py::arg("out"), py::arg("starts"), py::arg("ends"), py::arg("a"), py::arg("b"), py::arg("cols"),
+        py::arg("part_lo"));
   bind_decode_stack(m);
 }

@@ -22,4 +22,7 @@ torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std
 torch::Tensor gguf_dequantize_rows(torch::Tensor blocks, int64_t type, torch::Tensor ids, int64_t k);
 std::vector<int64_t> gguf_native_types();
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, int64_t block_n, int64_t block_k);
+void lora_add(torch::Tensor x, torch::Tensor out, std::vector<int64_t> starts, std::vector<int64_t> ends,
+              std::vector<torch::Tensor> a, std::vector<torch::Tensor> b, std::vector<int64_t> cols,
+              std::vector<int64_t> part_lo);
 void bind_decode_stack(pybind11::module& m);

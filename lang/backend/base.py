@@ -71,6 +71,9 @@ class Backend(ABC):
     - Texts are tokenized by the runtime the way ``/generate`` tokenizes them (special tokens
       added), so ``tokenize`` and ``generate`` agree on token boundaries.
     - With ``sampling_params["n"] = k > 1``, ``generate`` returns a list of k such results.
+    - ``lora`` (on ``generate``, ``generate_stream``, ``prefill`` and ``cache_prefix``) names the
+      LoRA adapter the request runs with; it is passed only when set, so a backend without
+      adapters may leave it out of its signatures (a program that names one is then refused).
     - Every request's final output is counted in ``token_usage``.
     """
 
@@ -89,16 +92,17 @@ class Backend(ABC):
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         return_text_in_logprobs: bool = False,
+        lora: str | None = None,
     ) -> dict[str, Any]:
-        """Complete ``text`` with SGLang's sampling parameters; returns the final ``{"text", "meta_info"}``."""
+        """Complete ``text`` with SGLang's sampling parameters (``lora``: the adapter's name); returns the final ``{"text", "meta_info"}``."""
 
     @abstractmethod
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> Iterator[dict[str, Any]]:
         """Like ``generate``, yielding ``{"text", "meta_info"}`` with the text so far; the last is final."""
 
     @abstractmethod
-    def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
-        """Run prompts without generating (one batch), returning prompt logprobs from ``logprob_start_len``."""
+    def prefill(self, input_ids: list[list[int]], logprob_start_len: int, lora: str | None = None) -> list[dict[str, Any]]:
+        """Run prompts without generating (one batch, under the adapter ``lora``), returning prompt logprobs from ``logprob_start_len``."""
 
     @abstractmethod
     def tokenize(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -112,9 +116,9 @@ class Backend(ABC):
     def flush_cache(self) -> bool:
         """Empty the runtime's radix cache; False when it refused (requests in flight)."""
 
-    def cache_prefix(self, text: str) -> dict[str, Any]:
-        """Prefill ``text`` with no new tokens so that requests extending it hit the cache."""
-        return self.generate(text, {"max_new_tokens": 0})
+    def cache_prefix(self, text: str, lora: str | None = None) -> dict[str, Any]:
+        """Prefill ``text`` with no new tokens so that requests extending it (under the same adapter ``lora``) hit the cache."""
+        return self.generate(text, {"max_new_tokens": 0}, **({"lora": lora} if lora is not None else {}))
 
     def get_chat_template(self) -> ChatTemplate:
         """The model's role markers, probed once and kept."""

@@ -45,13 +45,13 @@ class RuntimeEndpoint(Backend):
     # ---------------------------------------------------------------- backend
     def generate(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> dict[str, Any]:
         """POST /generate for one prompt; returns ``{"text", "meta_info"}``."""
-        out = self._post("/generate", {"text": text, "sampling_params": sampling_params, **logprob_options})
+        out = self._post("/generate", {"text": text, "sampling_params": sampling_params, **_native(logprob_options)})
         self.token_usage.add_outputs(out)
         return out
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> Iterator[dict[str, Any]]:
         """POST /generate with ``stream``; yields each server-sent event."""
-        body = {"text": text, "sampling_params": sampling_params, "stream": True, **logprob_options}
+        body = {"text": text, "sampling_params": sampling_params, "stream": True, **_native(logprob_options)}
         last = None
         try:
             with self.client.stream("POST", "/generate", json=body) as resp:
@@ -74,9 +74,9 @@ class RuntimeEndpoint(Backend):
         if last is not None:
             self.token_usage.add_outputs(last)
 
-    def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
+    def prefill(self, input_ids: list[list[int]], logprob_start_len: int, lora: str | None = None) -> list[dict[str, Any]]:
         """One batched /generate of prompts with ``max_new_tokens=0`` and prompt logprobs."""
-        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": logprob_start_len}
+        body = {"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True, "logprob_start_len": logprob_start_len, **_native({"lora": lora})}
         outs = self._post("/generate", body)
         self.token_usage.add_outputs(outs)
         return outs
@@ -108,6 +108,14 @@ class RuntimeEndpoint(Backend):
     def shutdown(self) -> None:
         """Close the HTTP connections."""
         self.client.close()
+
+
+def _native(options: dict[str, Any]) -> dict[str, Any]:
+    """Request options as ``/generate`` names them: the adapter ``lora`` is SGLang's ``lora_path``."""
+    out = {k: v for k, v in options.items() if k != "lora"}
+    if options.get("lora") is not None:
+        out["lora_path"] = options["lora"]
+    return out
 
 
 def _raise_for_status(resp: httpx.Response) -> None:

@@ -40,10 +40,10 @@ class EngineBackend(Backend):
         if out is not None:
             self.token_usage.add_outputs(out)
 
-    def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
-        """Prompt-only batch with prompt logprobs from ``logprob_start_len``."""
+    def prefill(self, input_ids: list[list[int]], logprob_start_len: int, lora: str | None = None) -> list[dict[str, Any]]:
+        """Prompt-only batch with prompt logprobs from ``logprob_start_len`` (under the adapter ``lora``)."""
         try:
-            outs = self.engine.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=logprob_start_len)
+            outs = self.engine.generate(input_ids=input_ids, sampling_params={"max_new_tokens": 0}, return_logprob=True, logprob_start_len=logprob_start_len, lora=lora)
         except EngineError as exc:
             raise BackendError(str(exc)) from exc
         self.token_usage.add_outputs(outs)

@@ -49,6 +49,8 @@ class OpenAI(Backend):
     - ``server_extensions``: the server takes SGLang's extra body fields (``regex``, ``ebnf``,
       ``json_schema`` for completions, ``top_k``, ``min_p`` ...). With False, a program using one
       fails with an error naming it; a server that refuses one (4xx) does too.
+    - ``lora`` (``gen(lora=...)``, ``run(lora=...)``) is sent as the model ``"<model>:<name>"``,
+      how radixlm's and SGLang's OpenAI routes name an adapter of the served model.
     - ``client_args`` go to ``openai.OpenAI`` (``timeout``, ``max_retries``, ``http_client`` ...).
     """
 
@@ -82,8 +84,12 @@ class OpenAI(Backend):
         self._refused_lock = threading.Lock()
 
     # -------------------------------------------------------------- requests
-    def request(self, prompt: str | list[str] | list[list[int]] | list[dict[str, Any]], params: dict[str, Any], *, chat: bool | None = None, logprobs: int | None = None, echo: bool = False) -> list[dict[str, Any]]:
-        """Send one request; returns each choice as ``{"text", "meta_info"}`` (meta_info with the request's usage)."""
+    def model_of(self, lora: str | None) -> str:
+        """The ``model`` of a request under the LoRA adapter ``lora`` (None: the base model)."""
+        return self.model if lora is None else f"{self.model}:{lora}"
+
+    def request(self, prompt: str | list[str] | list[list[int]] | list[dict[str, Any]], params: dict[str, Any], *, chat: bool | None = None, logprobs: int | None = None, echo: bool = False, lora: str | None = None) -> list[dict[str, Any]]:
+        """Send one request (``lora``: under that adapter); returns each choice as ``{"text", "meta_info"}`` (meta_info with the request's usage)."""
         chat = self.is_chat_model if chat is None else chat
         req = to_request(params, chat=chat, extensions=self.server_extensions)
         kwargs = req.client_kwargs()
@@ -94,22 +100,24 @@ class OpenAI(Backend):
                 kwargs["logprobs"] = logprobs
         if echo:
             kwargs["echo"] = True
+        model = self.model_of(lora)
         if chat:
-            resp = self._call(req, lambda: self.client.chat.completions.create(model=self.model, messages=prompt, **kwargs))
+            resp = self._call(req, model, lambda: self.client.chat.completions.create(model=model, messages=prompt, **kwargs))
         else:
-            resp = self._call(req, lambda: self.client.completions.create(model=self.model, prompt=prompt, **kwargs))
+            resp = self._call(req, model, lambda: self.client.completions.create(model=model, prompt=prompt, **kwargs))
         usage = self._count(resp.usage)
         return [{"text": _choice_text(c, chat), "meta_info": {**usage, "finish_reason": _finish(c.finish_reason), **_logprobs(c, chat)}} for c in resp.choices]
 
-    def request_stream(self, prompt: str | list[dict[str, Any]], params: dict[str, Any], *, chat: bool | None = None) -> Iterator[dict[str, Any]]:
+    def request_stream(self, prompt: str | list[dict[str, Any]], params: dict[str, Any], *, chat: bool | None = None, lora: str | None = None) -> Iterator[dict[str, Any]]:
         """Stream one request of one choice; yields ``{"text", "meta_info"}`` with the text so far."""
         chat = self.is_chat_model if chat is None else chat
         req = to_request(params, chat=chat, extensions=self.server_extensions)
         kwargs = {**req.client_kwargs(), "stream": True, "stream_options": {"include_usage": True}}
+        model = self.model_of(lora)
         if chat:
-            stream = self._call(req, lambda: self.client.chat.completions.create(model=self.model, messages=prompt, **kwargs))
+            stream = self._call(req, model, lambda: self.client.chat.completions.create(model=model, messages=prompt, **kwargs))
         else:
-            stream = self._call(req, lambda: self.client.completions.create(model=self.model, prompt=prompt, **kwargs))
+            stream = self._call(req, model, lambda: self.client.completions.create(model=model, prompt=prompt, **kwargs))
         text, finish, usage = "", None, None
         try:
             for chunk in stream:
@@ -127,13 +135,16 @@ class OpenAI(Backend):
             stream.close()
         yield {"text": text, "meta_info": {**self._count(usage), "finish_reason": _finish(finish)}}
 
-    def _call(self, req: Request, send: Any) -> Any:
+    def _call(self, req: Request, model: str, send: Any) -> Any:
         openai = self._openai
         try:
             return send()
         except openai.APIStatusError as exc:
             message = _error_message(exc)
             if 400 <= exc.status_code < 500 and exc.status_code not in (401, 403, 429):
+                if _error_field(exc, "param") == "model" or _error_field(exc, "code") == "model_not_found":
+                    # not a refused feature: select's fallbacks must not take it for one and stop asking
+                    raise ValueError(f"the server at {self.base_url} does not serve the model {model!r} ({exc.status_code}: {message})") from None
                 if req.extensions:
                     used = ", ".join(req.extensions)
                     raise ValueError(f"the server at {self.base_url} refused a request using {used} (answered {exc.status_code}: {message}); this server may not support {used}") from None
@@ -161,10 +172,10 @@ class OpenAI(Backend):
             self._refused.add(feature)
 
     # ----------------------------------------------------------- Backend API
-    def generate(self, text: str, sampling_params: dict[str, Any], *, return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1, return_text_in_logprobs: bool = False) -> Any:
+    def generate(self, text: str, sampling_params: dict[str, Any], *, return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1, return_text_in_logprobs: bool = False, lora: str | None = None) -> Any:
         """Complete ``text`` on the completions API (a list of outputs when ``n`` > 1); output logprobs only."""
         self._need_completions("generate")
-        outs = self.request(text, sampling_params, chat=False, logprobs=top_logprobs_num if return_logprob else None)
+        outs = self.request(text, sampling_params, chat=False, logprobs=top_logprobs_num if return_logprob else None, lora=lora)
         return outs if sampling_params.get("n", 1) > 1 else outs[0]
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any], **logprob_options: Any) -> Iterator[dict[str, Any]]:
@@ -172,12 +183,12 @@ class OpenAI(Backend):
         self._need_completions("generate_stream")
         if logprob_options.get("return_logprob"):
             raise ValueError("the OpenAI backend cannot stream logprobs; run without stream=True")
-        yield from self.request_stream(text, sampling_params, chat=False)
+        yield from self.request_stream(text, sampling_params, chat=False, lora=logprob_options.get("lora"))
 
-    def prefill(self, input_ids: list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
+    def prefill(self, input_ids: list[list[int]], logprob_start_len: int, lora: str | None = None) -> list[dict[str, Any]]:
         """Prompt logprobs of token-id prompts (completions with ``echo`` and ``max_tokens=0``)."""
         self._need_completions("prefill")
-        outs = self.request(input_ids, {"max_new_tokens": 0}, chat=False, logprobs=0, echo=True)
+        outs = self.request(input_ids, {"max_new_tokens": 0}, chat=False, logprobs=0, echo=True, lora=lora)
         for out in outs:
             out["meta_info"]["input_token_logprobs"] = out["meta_info"].pop("output_token_logprobs", [])[logprob_start_len:]
         return outs
@@ -202,7 +213,7 @@ class OpenAI(Backend):
                     self._template = DEFAULT_TEMPLATE
             return self._template
 
-    def cache_prefix(self, text: str) -> dict[str, Any]:
+    def cache_prefix(self, text: str, lora: str | None = None) -> dict[str, Any]:
         """Nothing to do: the server's own prefix caching sees the repeated text (and a hosted API would bill it)."""
         return {"text": "", "meta_info": {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "finish_reason": {"type": "length"}}}
 
@@ -259,6 +270,13 @@ def _logprobs(choice: Any, chat: bool) -> dict[str, Any]:
     if chat:
         return {"output_token_logprobs": [(t.logprob, None, t.token) for t in (lp.content or [])]}
     return {"output_token_logprobs": [(v, None, t) for v, t in zip(lp.token_logprobs or [], lp.tokens or [])], "text_offset": list(lp.text_offset or [])}
+
+
+def _error_field(exc: Any, key: str) -> Any:
+    """A field of an API error's body (OpenAI's ``{"error": {...}}`` or radixlm's flat shape), or None."""
+    body = getattr(exc, "body", None)
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    return inner.get(key) if isinstance(inner, dict) else None
 
 
 def _error_message(exc: Any) -> str:

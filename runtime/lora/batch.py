@@ -9,12 +9,17 @@ flat token axis; base-model rows have none::
     segments: (1, 3, a), (3, 4, b), (4, 7, a)
 
 Each targeted projection runs once for every token (the base matmul), then each segment adds
-``(x[s:e] @ A.T) @ B.T`` to its own rows (``B`` carries the scaling). Two ways, the same sums:
+``(x[s:e] @ A.T) @ B.T`` to its own rows (``B`` carries the scaling). The same sums, four ways:
 
-- one segment at a time (``add_lora_deltas`` over ``segments``): right for prefill, where a
-  segment has many tokens;
-- all segments in two batched matmuls (``Stacked``): the segments' tokens gathered into a
-  ``[K, L, in]`` block (each padded to the longest, ``L``), times the segments' ``A`` stacked
+- on CPUs, the C++ kernel (``kernels/csrc/lora_add.cpp``): every segment in one call per
+  projection, each adapter's weights read where they lie (``_add_cpu``);
+- on GPUs, the Triton kernels (``kernels/triton_lora.py``, ``Grouped``): a shrink and one expand
+  per output part, over the segments' bounds as they are (no padding), with the adapters' pairs
+  stacked as below;
+- where neither kernel can run, PyTorch, one segment at a time (``add_lora_deltas`` over
+  ``segments``): right for prefill, where a segment has many tokens;
+- or PyTorch, all segments in two batched matmuls (``Stacked``): the segments' tokens gathered
+  into a ``[K, L, in]`` block (each padded to the longest, ``L``), times the segments' ``A`` stacked
   ``[K, R, in]`` (ranks padded with zeros) and ``B`` stacked ``[K, out, R]``, then added back to
   their rows. A decode step of many adapters takes this: its cost does not grow with the
   number of launches, and the stacks are built once per set of adapters and reused every step.
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -36,17 +42,13 @@ STACK_PAD_LIMIT = 2.0  # batch the segments when padding them at most doubles th
 StackedPairs = tuple[torch.Tensor, list[torch.Tensor | None], list[int]]  # A.T [K, in, R]; per output part, B.T [K, R_part, rows] (None: no adapter targets it); the parts' rows
 
 
-@dataclass
-class Stacked:
-    """The segments of a pass gathered as one padded block, with their weights stacked per module."""
+@dataclass(kw_only=True)
+class AdapterStacks:
+    """The segments' adapters' pairs stacked module by module, built on first use and kept while the set of adapters stays."""
 
     adapters: tuple[LoraAdapter, ...]  # one per segment, in segment order
-    gather: torch.Tensor  # [K * L] token of each padded position (pads repeat a real token)
-    keep: torch.Tensor | None  # [n] the padded positions that are real tokens (None: no padding)
-    dest: torch.Tensor  # [n] the token each real position adds into
-    length: int  # L
     part_rows: dict[str, list[int]]  # module under a layer ("self_attn.qkv_proj") -> its output parts' rows
-    weights: dict[str, StackedPairs | None] = field(default_factory=dict)  # module -> its stacks, built on first use
+    weights: dict[str, StackedPairs | None] = field(default_factory=dict)  # module -> its stacks
 
     def stacks(self, module: str) -> StackedPairs | None:
         """``module``'s stacked pairs (None: no segment's adapter targets it)."""
@@ -55,13 +57,33 @@ class Stacked:
         return self.weights[module]
 
 
+@dataclass(kw_only=True)
+class Stacked(AdapterStacks):
+    """The segments of a pass gathered as one padded block, for two batched matmuls a module."""
+
+    gather: torch.Tensor  # [K * L] token of each padded position (pads repeat a real token)
+    keep: torch.Tensor | None  # [n] the padded positions that are real tokens (None: no padding)
+    dest: torch.Tensor  # [n] the token each real position adds into
+    length: int  # L
+
+
+@dataclass(kw_only=True)
+class Grouped(AdapterStacks):
+    """The segments' bounds on the device, for the Triton kernels (``kernels/triton_lora.py``): no padding."""
+
+    kernels: ModuleType
+    start: torch.Tensor  # [K] int64
+    end: torch.Tensor  # [K] int64
+
+
 @dataclass
 class LoraBatch:
     """The adapter segments of one forward pass (and their stacked form when it pays)."""
 
     segments: list[Segment]
     part_rows: dict[str, list[int]]  # module under a layer -> its output parts' rows (``module_sizes``)
-    stacked: Stacked | None = None
+    stacked: Stacked | Grouped | None = None
+    kernels: ModuleType | None = None  # the C++ CPU kernels: the deltas in one call a projection (``_add_cpu``)
 
     def adapters(self) -> list[str]:
         """The distinct adapters' names, in segment order."""
@@ -102,21 +124,30 @@ def stacked_plan(segments: list[Segment], device: torch.device, part_rows: dict[
         dest.extend(range(s, e))
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
     padded = len(gather) != len(keep)
-    plan = Stacked(tuple(a for _, _, a in segments), as_tensor(gather), as_tensor(keep) if padded else None, as_tensor(dest), length, part_rows)
-    if weights is not None:
-        plan.weights = weights
-    return plan
+    adapters = tuple(a for _, _, a in segments)
+    return Stacked(adapters=adapters, part_rows=part_rows, weights={} if weights is None else weights, gather=as_tensor(gather), keep=as_tensor(keep) if padded else None, dest=as_tensor(dest), length=length)
+
+
+def grouped_plan(segments: list[Segment], kernels: ModuleType, device: torch.device, part_rows: dict[str, list[int]], weights: dict[str, StackedPairs | None] | None = None) -> Grouped | None:
+    """The segments' bounds for the Triton ``kernels`` (None without segments); ``weights``: stacks cached for this set of adapters."""
+    if not segments:
+        return None
+    bounds = torch.tensor([[s for s, _, _ in segments], [e for _, e, _ in segments]], dtype=torch.int64).to(device, non_blocking=True)
+    adapters = tuple(a for _, _, a in segments)
+    return Grouped(adapters=adapters, part_rows=part_rows, weights={} if weights is None else weights, kernels=kernels, start=bounds[0], end=bounds[1])
 
 
 def add_lora_deltas(x: torch.Tensor, out: torch.Tensor, module: str, batch: LoraBatch) -> torch.Tensor:
     """``out`` (the base projection of ``x``) plus each segment's adapter delta on its rows (in place)."""
+    if batch.kernels is not None:
+        return _add_cpu(batch.kernels, x, out, module, batch)
+    if isinstance(batch.stacked, Grouped):
+        return _add_grouped(x, out, module, batch.stacked)
     if batch.stacked is not None:
         return _add_stacked(x, out, module, batch.stacked)
     rows = batch.part_rows[module.split(".", 2)[2]]
     for start, end, adapter in batch.segments:
-        if module not in adapter.compact:  # this adapter's pairs without B's zero blocks, built once
-            adapter.compact[module] = _stack((adapter,), module, rows)
-        stacks = adapter.compact[module]
+        stacks = _compact(adapter, module, rows)
         if stacks is None:
             continue
         a, parts, _ = stacks
@@ -127,6 +158,67 @@ def add_lora_deltas(x: torch.Tensor, out: torch.Tensor, module: str, batch: Lora
                 out[start:end, lo : lo + n].addmm_(h[:, col : col + b.shape[1]], b[0])
                 col += b.shape[1]
             lo += n
+    return out
+
+
+def _compact(adapter: LoraAdapter, module: str, rows: list[int]) -> StackedPairs | None:
+    """``adapter``'s pairs of ``module`` without B's zero blocks, built on first use."""
+    if module not in adapter.compact:
+        adapter.compact[module] = _stack((adapter,), module, rows)
+    return adapter.compact[module]
+
+
+def _compact_tiles(adapter: LoraAdapter, module: str, rows: list[int]) -> tuple[torch.Tensor, list[torch.Tensor | None]] | None:
+    """``_compact``'s pairs as the C++ kernel reads them: A.T ``[in, R]`` with zero columns padding
+    R to a multiple of 16 (its register tile), and each part's B.T ``[r, n]``; built on first use."""
+    key = f"{module}#tiles"
+    if key not in adapter.compact:
+        stacks = _stack((adapter,), module, rows)
+        if stacks is None:
+            adapter.compact[key] = None
+        else:
+            a = stacks[0][0]
+            adapter.compact[key] = (torch.nn.functional.pad(a, (0, -a.shape[1] % 16)).contiguous(), [None if b is None else b[0] for b in stacks[1]])
+    return adapter.compact[key]
+
+
+def _add_cpu(kernels: ModuleType, x: torch.Tensor, out: torch.Tensor, module: str, batch: LoraBatch) -> torch.Tensor:
+    """The segments' deltas by the C++ kernel (``kernels/csrc/lora_add.cpp``): one call, each adapter's weights read in place."""
+    rows = batch.part_rows[module.split(".", 2)[2]]
+    starts, ends, a_list, b_list, cols = [], [], [], [], []
+    for start, end, adapter in batch.segments:
+        stacks = _compact_tiles(adapter, module, rows)
+        if stacks is None:
+            continue
+        a, parts = stacks
+        starts.append(start)
+        ends.append(end)
+        a_list.append(a)
+        col = 0
+        for b in parts:
+            b_list.append(_EMPTY if b is None else b)
+            cols.append(col)
+            col += 0 if b is None else b.shape[0]
+    if starts:
+        kernels.lora_add(x if x.stride(-1) == 1 else x.contiguous(), out, starts, ends, a_list, b_list, cols, _starts(rows))
+    return out
+
+
+_EMPTY = torch.empty(0)  # a part the adapter leaves alone
+
+
+def _add_grouped(x: torch.Tensor, out: torch.Tensor, module: str, plan: Grouped) -> torch.Tensor:
+    stacks = plan.stacks(module)
+    if stacks is None:
+        return out
+    a, parts, rows = stacks
+    h = plan.kernels.lora_shrink(x, a, plan.start, plan.end)
+    col = lo = 0
+    for b, n in zip(parts, rows):
+        if b is not None:
+            plan.kernels.lora_expand_(out, h, b, plan.start, plan.end, col, lo)
+            col += b.shape[1]
+        lo += n
     return out
 
 

@@ -5,27 +5,40 @@ Each targeted projection of every layer (``qkv_proj``, ``o_proj``, ``gate_up_pro
 the segments' deltas to the module's output. The projection's own module stays as it was
 (a plain or quantized linear), so loading, quantization and the base path are untouched; a pass
 with no adapter rows costs one attribute check per projection. Passes with adapter rows take the
-Python path (the C++ decode stack and captured CUDA graphs compute the base model only).
+Python path (the C++ decode stack and captured CUDA graphs compute the base model only); the
+deltas themselves are the grouped kernels' (``batch.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from radixlm.kernels import triton_available
+from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.runtime.lora.adapter import LoraAdapter, check_model, load_adapter, module_sizes
-from radixlm.runtime.lora.batch import LoraBatch, add_lora_deltas, segments_of, stacked_plan
+from radixlm.runtime.lora.batch import (
+    LoraBatch,
+    add_lora_deltas,
+    grouped_plan,
+    segments_of,
+    stacked_plan,
+)
 from radixlm.runtime.lora.pool import LoraPool
 from radixlm.runtime.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from radixlm.runtime.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 STACK_CACHE = 4  # sets of adapters whose stacked weights are kept
 
@@ -54,9 +67,13 @@ class LoraManager:
 
     def __init__(self, model: nn.Module, cfg: ModelConfig, args: ServerArgs, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> None:
         check_model(cfg, tp_size)
-        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.device = device
+        self.cfg = cfg
         self.pool = LoraPool(self.read, args.max_loaded_loras, args.max_loras_per_batch)
         self.active: LoraBatch | None = None
+        self.kernels = cpu_kernels() if device.type == "cpu" else None  # the C++ grouped kernel (None: the PyTorch path)
+        self.triton = _triton_kernels() if device.type == "cuda" else None  # the Triton grouped kernels (None: the PyTorch path)
+        self.dtype = adapter_dtype(args.lora_dtype, dtype, self.kernels is not None or self.triton is not None)
         # per set of segment adapters: their weights stacked for batched decode steps (batch.py)
         self._part_rows = {module: rows for module, (_, rows) in module_sizes(cfg).items()}
         self._stacks: OrderedDict[tuple[int, ...], tuple[tuple[LoraAdapter, ...], dict]] = OrderedDict()
@@ -77,9 +94,15 @@ class LoraManager:
         if not any(names):
             return None
         segments = segments_of(lengths, [None if n is None else self.pool.get(n) for n in names])
+        if self.kernels is not None:
+            return LoraBatch(segments, self._part_rows, kernels=self.kernels)
         key = tuple(id(a) for _, _, a in segments)
         cached = self._stacks.get(key)
-        plan = stacked_plan(segments, self.device, self._part_rows, None if cached is None else cached[1])
+        weights = None if cached is None else cached[1]
+        if self.triton is not None:
+            plan = grouped_plan(segments, self.triton, self.device, self._part_rows, weights)
+        else:
+            plan = stacked_plan(segments, self.device, self._part_rows, weights)
         if plan is not None and cached is None:
             self._stacks[key] = (plan.adapters, plan.weights)  # the adapters held: their ids stay theirs
             while len(self._stacks) > STACK_CACHE:
@@ -108,6 +131,26 @@ class LoraManager:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def adapter_dtype(lora_dtype: str, model_dtype: torch.dtype, grouped_kernels: bool) -> torch.dtype:
+    """The dtype adapters are stored in (``--lora-dtype``): another than the model's needs the
+    grouped kernels, which widen each weight as they read it; the PyTorch path falls back."""
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = names.get(lora_dtype, model_dtype)
+    if dtype != model_dtype and not grouped_kernels:
+        logger.warning("lora_dtype=%s needs the grouped LoRA kernels, which are not available here: adapters are stored in %s", lora_dtype, model_dtype)
+        return model_dtype
+    return dtype
+
+
+def _triton_kernels() -> ModuleType | None:
+    """``kernels/triton_lora.py``, or None where Triton is not installed."""
+    if not triton_available():
+        return None
+    from radixlm.kernels import triton_lora
+
+    return triton_lora
 
 
 def lora_admits(runner: Any, req: Any, running: Iterable[Any]) -> bool:

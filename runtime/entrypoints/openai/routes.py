@@ -125,6 +125,7 @@ async def _run(state: ServerState, request: Request, plan: Plan) -> Response:
 
 async def _run_beams(state: ServerState, request: Request, plan: Plan) -> Response:
     """A completion with ``use_beam_search``: each prompt's ``n`` best beams as its choices."""
+    lora = lora_of_model(state, plan.model)
     calls = [
         dict(
             input_ids=ids,
@@ -132,6 +133,7 @@ async def _run_beams(state: ServerState, request: Request, plan: Plan) -> Respon
             **({"cache_salt": plan.cache_salt} if plan.cache_salt is not None else {}),
             prompt_cache_key=plan.prompt_cache_key,
             priority=plan.priority,
+            lora=lora,
         )
         for ids in plan.prompts
     ]
