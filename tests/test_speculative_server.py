@@ -1,5 +1,5 @@
 """Speculation over HTTP: OpenAI's prediction field, its usage details, bad shapes, and the
-speculation counters of /get_server_info and /metrics (the shared tiny-model server)."""
+speculation counters of /get_server_info and /metrics (on a tiny-model server of its own)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,18 @@ import openai
 import pytest
 
 MESSAGES = [{"role": "user", "content": "Copy this: the cat sat on the mat and the dog sat on the log."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llama: str):
+    """This module's own server (served as "tiny"; ``tiny_client`` reaches it too). The speculation
+    gate learns each server's pass costs: the shared server's, measured under the whole suite's
+    traffic on a loaded machine, once judged a 24-token prediction not worth proposing (CI)."""
+    from helpers import ServerProcess
+
+    server = ServerProcess(tiny_llama, "--max-total-tokens", "4096", "--served-model-name", "tiny")
+    yield server
+    assert server.stop() == 0, "the speculation tests' server did not exit cleanly"
 
 
 @pytest.fixture(scope="module")
