@@ -11,9 +11,8 @@ MESSAGES = [{"role": "user", "content": "Copy this: the cat sat on the mat and t
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny_llama: str):
-    """This module's own server (served as "tiny"; ``tiny_client`` reaches it too). The speculation
-    gate learns each server's pass costs: the shared server's, measured under the whole suite's
-    traffic on a loaded machine, once judged a 24-token prediction not worth proposing (CI)."""
+    """This module's own server (served as "tiny"; ``tiny_client`` reaches it too): the speculation
+    gate learns each server's pass costs, so these tests do not inherit the shared server's."""
     from helpers import ServerProcess
 
     server = ServerProcess(tiny_llama, "--max-total-tokens", "4096", "--served-model-name", "tiny")
