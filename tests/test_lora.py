@@ -420,3 +420,28 @@ def test_server_options():
     assert ServerArgs.from_cli(parser.parse_args(["--lora-dtype", "bfloat16"])).lora_dtype == "bfloat16"
     with pytest.raises(ValueError, match="lora_dtype"):
         ServerArgs.from_kwargs(lora_dtype="int8")
+
+
+def test_a_failing_adapter_kernel_aborts_only_the_adapter_rows(engine, monkeypatch):
+    """When the grouped kernel raises, the pass is split and retried: the adapter's request ends
+    aborted, the base request beside it gets its own greedy tokens, and no KV is leaked."""
+    want = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY, cache_salt="kernel-fault")["output_ids"]
+
+    class Broken:
+        def lora_add(self, *args):
+            raise RuntimeError("lora_add: injected failure")
+
+    monkeypatch.setattr(engine.runner.lora, "kernels", Broken())
+
+    async def main():
+        return await asyncio.gather(
+            engine.async_generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora="attn", cache_salt="kernel-fault-a"),
+            engine.async_generate(input_ids=PROMPTS[1], sampling_params=GREEDY, cache_salt="kernel-fault"),
+            return_exceptions=True,
+        )
+
+    tuned, base = asyncio.run(main())
+    reason = tuned["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "injected failure" in reason["message"] and tuned["output_ids"] == [], tuned
+    assert base["output_ids"] == want
+    engine.check_accounting()
