@@ -35,6 +35,7 @@ import torch
 from radixlm.radix_cache.origin import Origin
 from radixlm.radix_cache.pool import SlotAllocator
 from radixlm.radix_cache.req_table import ReqToTokenTable
+from radixlm.radix_cache.tiers import KVTiers
 from radixlm.radix_cache.tree import RadixCache, TreeNode
 
 
@@ -69,6 +70,18 @@ class KVManager:
         self.table = table
         self.tree = tree
         self.page_size = allocator.page_size
+        self.tiers: KVTiers | None = None
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Keep what the tree evicts in ``tiers`` and load it back at admission (``promote``)."""
+        self.tiers = tiers
+        tree = self.tree
+
+        def demote(leaf: TreeNode) -> None:
+            path = tree.path_tokens(leaf)
+            tiers.demote(path, tree.path_slots(leaf), len(path) - len(leaf.key), leaf.protect_until)
+
+        tree.on_evict = demote
 
     # ------------------------------------------------------------- capacity
     def available(self) -> int:
@@ -96,6 +109,53 @@ class KVManager:
         """Cached slots for the longest prefix of ``tokens[:max_len]`` and the node ending it."""
         result = self.tree.match_prefix(tokens[: max(max_len, 0)])
         return result.slots, result.last_node
+
+    def close_tiers(self) -> None:
+        """At shutdown: demote every block the tree still holds, then let the tiers finish their writes."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        if tiers.disk is not None and not tiers.disk.stopped:
+            tiers.closing = True
+            stack = [self.tree.root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node.is_leaf() and node is not self.tree.root:
+                    path = self.tree.path_tokens(node)
+                    tiers.demote(path, self.tree.path_slots(node), 0, node.protect_until)
+        tiers.close()
+
+    def promote(
+        self, tokens: Sequence[int], max_len: int, prefix_slots: torch.Tensor, last_node: TreeNode, staged: dict | None = None
+    ) -> tuple[torch.Tensor, TreeNode, dict[str, int]]:
+        """Extend a match with the KV the lower tiers hold past it: load it into new slots, hand
+        them to the tree, and return the longer match and the tokens it took from each tier.
+        ``staged``: blocks a prefetch read for this request. Returns the match unchanged (and
+        ``{}``) when the tiers hold nothing or the pool is short."""
+        tiers = self.tiers
+        start = len(prefix_slots)
+        found = tiers.find(tokens, start, max_len, staged) if tiers is not None and not self.tree.disable else None
+        if found is None:
+            return prefix_slots, last_node, {}
+        self.tree.inc_lock_ref(last_node)  # making room must not evict the prefix being extended
+        try:
+            slots = self._alloc(found.end - start)
+        finally:
+            self.tree.dec_lock_ref(last_node)
+        if slots is None:
+            return prefix_slots, last_node, {}
+        try:
+            tiers.load(found, slots)
+        except Exception:
+            self.allocator.free_slots(slots)
+            raise
+        tier = max(found.tokens_from().items(), key=lambda kv: kv[1])[0]
+        kept = self.tree.insert(tokens[: found.end], torch.cat([prefix_slots, slots]), tier=tier)
+        if kept > start:  # the tree held part of it after all: those slots are duplicates
+            self.allocator.free_slots(slots[: kept - start])
+        result = self.tree.match_prefix(tokens[: found.end])
+        return result.slots, result.last_node, found.tokens_from()
 
     def admit(self, prefix_slots: torch.Tensor, last_node: TreeNode, origin: Origin | None = None) -> KVState | None:
         """Give a request a table row seeded with its cached prefix; locks the prefix.
@@ -196,8 +256,10 @@ class KVManager:
         state.alloc_len = state.kv_len = state.cached_len = state.dropped_len = 0
 
     def flush(self) -> None:
-        """Drop the whole radix cache (only when no request holds a lock)."""
+        """Drop the whole radix cache and the host tier (only when no request holds a lock); the disk tier stays."""
         self.tree.clear()
+        if self.tiers is not None:
+            self.tiers.clear_host()
 
     # ------------------------------------------------------------ accounting
     def check_accounting(self, states: Iterable[KVState], full: bool = True) -> None:
@@ -221,6 +283,8 @@ class KVManager:
         if not full:
             return
         self.tree.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check()
         free_pages = self.allocator.free_page_ids()
         held = [self.table.read(s.row, s.held_from, s.alloc_len) for s in states]
         parts = [self.allocator.page_slots(free_pages), self.tree.all_slots(), *held]

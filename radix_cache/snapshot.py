@@ -54,7 +54,7 @@ def snapshot_tree(tree: RadixCache, max_nodes: int = 400, walk_budget: int = 20_
     """A JSON-ready, bounded description of ``tree`` (see the module docstring).
 
     Returns ``{"nodes": [...], "total_tokens", "evictable", "protected", "clock", "complete"}``.
-    Each node entry is ``{"id", "parent", "len", "size", "lock", "tick", "head"}`` (``size``:
+    Each node entry is ``{"id", "parent", "len", "size", "lock", "tick", "head", "tier"}`` (``size``:
     tokens of its subtree as described and folded; ``tick``: the tree's LRU clock at its last
     access); a folded entry is ``{"id", "parent", "more", "size", "locked", "tick"}`` where
     ``more`` is its node count (None when unknown). The root has id 0 and parent None.
@@ -95,6 +95,7 @@ def snapshot_tree(tree: RadixCache, max_nodes: int = 400, walk_budget: int = 20_
                 "lock": node.lock_ref,
                 "tick": node.last_access,
                 "head": [t & 0xFFFFFFFF for t in node.key[:HEAD_TOKENS]],  # salted keys back to token ids
+                "tier": node.tier,  # host or disk: the KV tier it was loaded back from (None: computed in the pool)
             }
         )
         clock = max(clock, node.last_access)

@@ -17,6 +17,9 @@ With ``track_origins`` each node also records its ``Origin`` (who computed it) a
 requests reused it, and evicted edges go to a bounded ``EvictionLog``. A retention hint
 (``protect``) sets ``protect_until`` on a path: eviction takes unhinted leaves first and hinted
 ones only when nothing else is left (a soft hint, never a pin).
+
+``on_evict`` (set by the KV tiers) sees each evicted leaf while its slots, and its parents', still
+hold their KV: the tiers copy what they keep before the slots are freed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class TreeNode:
     origin: Origin | None = None  # who computed these tokens (with track_origins)
     reuse: int = 0  # requests that matched through this node since it was computed
     protect_until: float = 0.0  # time.monotonic() until which a retention hint holds
+    tier: str | None = None  # host or disk: the lower tier its KV was loaded back from (None: computed here)
 
     def is_leaf(self) -> bool:
         """True when no edge leaves this node."""
@@ -88,6 +92,7 @@ class RadixCache:
         self.evicted_despite_hint = 0  # hinted leaves evicted because nothing else was left
         self._hinted = False  # set by the first ``protect``: until then matches skip the hint walk
         self._clock = itertools.count(1)
+        self.on_evict: Callable[[TreeNode], None] | None = None  # sees a leaf before its slots are freed
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -143,6 +148,7 @@ class RadixCache:
             origin=child.origin,
             reuse=child.reuse,
             protect_until=child.protect_until,
+            tier=child.tier,
         )
         upper.children[self._child_key(child.key, at)] = child
         child.parent.children[self._child_key(child.key, 0)] = upper
@@ -185,7 +191,7 @@ class RadixCache:
         self.query_tokens += query_tokens
         self.hit_tokens += hit_tokens
 
-    def insert(self, tokens: Sequence[int], slots: torch.Tensor, origin: Origin | None = None) -> int:
+    def insert(self, tokens: Sequence[int], slots: torch.Tensor, origin: Origin | None = None, tier: str | None = None) -> int:
         """Add ``tokens`` → ``slots``; return how many leading tokens were already cached.
 
         The caller keeps ownership of ``slots[:returned]`` (duplicates of what the tree already
@@ -211,7 +217,7 @@ class RadixCache:
         if pos < n:
             leaf = TreeNode(
                 key=tuple(tokens[pos:n]), value=slots[pos:n].clone(), parent=node, last_access=now,
-                origin=origin if self.track_origins else None,
+                origin=origin if self.track_origins else None, tier=tier,
             )
             node.children[self._child_key(tokens, pos)] = leaf
             self._evictable += n - pos
@@ -245,6 +251,14 @@ class RadixCache:
         self._hinted = self._hinted or result.length > 0
         return result.length
 
+    def path_slots(self, node: TreeNode) -> torch.Tensor:
+        """The slots of every token from the root to the end of ``node``."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.value)
+            node = node.parent
+        return torch.cat(parts[::-1]) if parts else _EMPTY
+
     def path_tokens(self, node: TreeNode) -> list[int]:
         """Every token from the root to the end of ``node``."""
         keys = []
@@ -275,8 +289,9 @@ class RadixCache:
             node = node.parent
 
     # -------------------------------------------------------------- eviction
-    def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first.
+    def evict(self, num_tokens: int, demote: bool = True) -> int:
+        """Free at least ``num_tokens`` slots from unlocked leaves, least recently used first,
+        showing each to ``on_evict`` first unless ``demote`` is False.
 
         Returns how many slots were freed (less than asked when too little is evictable).
         """
@@ -298,6 +313,8 @@ class RadixCache:
                 path = self.path_tokens(leaf)
                 start = len(path) - len(leaf.key)
                 self.evictions.record(path_key(path, start + self.page_size), len(path))
+            if demote and self.on_evict is not None:
+                self.on_evict(leaf)
             self._free_slots(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
@@ -311,7 +328,7 @@ class RadixCache:
         """Free every unlocked slot; raises if a request still locks part of the tree."""
         if self._protected:
             raise RuntimeError("cannot clear the radix cache while requests hold locks")
-        self.evict(self._evictable)
+        self.evict(self._evictable, demote=False)
         self.reset()
 
     # ----------------------------------------------------------- inspection

@@ -135,23 +135,25 @@ def _path(tree: RadixCache, node: TreeNode) -> list[TreeNode]:
 
 
 def _segments(path: list[TreeNode]) -> list[dict[str, Any]]:
-    """Consecutive nodes with the same origin and reuse count, as token ranges."""
+    """Consecutive nodes with the same origin, reuse count and tier, as token ranges (``tier``: where
+    the segment's KV was last loaded from: host or disk, or device when it was computed in the pool)."""
     segments: list[dict[str, Any]] = []
     pos = 0
     for node in path:
         end = pos + len(node.key)
         last = segments[-1] if segments else None
-        if last is not None and last["_origin"] is node.origin and last["reuse_count"] == node.reuse:
+        tier = node.tier or "device"
+        if last is not None and last["_origin"] is node.origin and last["reuse_count"] == node.reuse and last["tier"] == tier:
             last["end"] = end
         else:
-            seg = {"start": pos, "end": end, "_origin": node.origin, "reuse_count": node.reuse}
+            seg = {"start": pos, "end": end, "_origin": node.origin, "reuse_count": node.reuse, "tier": tier}
             segments.append(seg)
         pos = end
     out = []
     for seg in segments:
         origin = seg.pop("_origin")
         fields = origin.to_dict() if origin is not None else {"rid": None, "program": None, "prompt_cache_key": None, "created": None}
-        out.append({"start": seg["start"], "end": seg["end"], "origin_rid": fields["rid"], "program": fields["program"], "prompt_cache_key": fields["prompt_cache_key"], "created": fields["created"], "reuse_count": seg["reuse_count"]})
+        out.append({"start": seg["start"], "end": seg["end"], "origin_rid": fields["rid"], "program": fields["program"], "prompt_cache_key": fields["prompt_cache_key"], "created": fields["created"], "reuse_count": seg["reuse_count"], "tier": seg["tier"]})
     return out
 
 

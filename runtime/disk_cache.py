@@ -12,7 +12,7 @@ from pathlib import Path
 
 from radixlm.kernels.paths import cache_dir
 
-__all__ = ["cache_dir", "entry_for", "file_digest", "write_entry"]
+__all__ = ["cache_dir", "entry_for", "file_digest", "model_digest", "write_entry"]
 
 
 def file_digest(path: str) -> str:
@@ -27,6 +27,28 @@ def _digest(path: str, size: int, mtime_ns: int) -> str:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+_SAMPLE = 1 << 22  # bytes read at the start, middle and end of each weight file
+
+
+def model_digest(path: str, extra: str = "") -> str:
+    """A short name of the model at ``path`` (a folder or one file) and ``extra`` (how it runs): its
+    config in full, and each weight file's name, size and bytes at its start, middle and end."""
+    h = hashlib.sha256(extra.encode())
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".bin", ".gguf", ".pt"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            if f.suffix == ".json" or size <= 3 * _SAMPLE:
+                h.update(fh.read())
+                continue
+            for at in (0, size // 2, size - _SAMPLE):
+                fh.seek(at)
+                h.update(fh.read(_SAMPLE))
     return h.hexdigest()[:16]
 
 

@@ -77,6 +77,9 @@ class OutputBuilder:
             "finish_reason": req.finish.to_dict() if req.finish else None,
             "e2e_latency": time.monotonic() - req.arrival,
         }
+        if req.tier_tokens is not None:  # KV tiers on: where the cached tokens came from
+            lower = req.tier_tokens["host"] + req.tier_tokens["disk"]
+            meta["cached_tokens_details"] = {"device": max(meta["cached_tokens"] - lower, 0), **req.tier_tokens}
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival
         if req.admitted_at is not None:

@@ -141,6 +141,8 @@ class Req:
     run_class: int | None = None  # the class it was last admitted at (its priority, or better by aging)
     queued_at: float = 0.0  # when it last joined the waiting queue (monotonic; aging counts from it)
     preemptions: int = 0  # times a more urgent request took its place
+    tier_fetch: Any = None  # a concurrent.futures.Future while its prefix is read back from the disk tier
+    tier_tokens: dict[str, int] | None = None  # with KV tiers: cached prompt tokens loaded from host and disk (first admission)
     beam_round: bool = False  # one beam's step of a beam search: top logprobs over what its grammar allows, no drafts
 
     @property

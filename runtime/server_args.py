@@ -72,6 +72,11 @@ class ServerArgs:
     max_loras_per_batch: int = _opt(8, "Most distinct LoRA adapters among the running requests (and so in one batch); a request of another adapter waits.")
     lora_dtype: str = _opt("auto", "How LoRA adapters are stored: auto (the model's dtype), float32, bfloat16 or float16. A decode step of many adapters reads each one's pairs, so bfloat16 halves that traffic for an fp32 model; it needs the grouped kernels (the C++ one on CPUs, Triton on GPUs), and elsewhere falls back to the model's dtype (logged).", choices=["auto", "float32", "bfloat16", "float16"])
     max_loaded_loras: int | None = _opt(None, "Most LoRA adapters held in memory; past it, the least recently used one no running request uses is evicted (and read again from its folder when next asked for). Default: no bound.")
+    kv_host_cache_gb: float = _opt(0.0, "A host-memory tier under the radix cache, this many GiB: KV the pool evicts is kept there (on CPUs as an 8-bit copy, see --kv-tier-format) and loaded back when a prompt continues it, instead of being recomputed. 0: off (1 GiB when --kv-disk-cache-dir is set). See docs/kv-tiers.md.")
+    kv_disk_cache_dir: str | None = _opt(None, "A disk tier under the host tier: KV the host tier evicts is written to files in this folder (in the background) and found again after a restart; replicas may share the folder.")
+    kv_disk_cache_gb: float = _opt(16.0, "With --kv-disk-cache-dir: the most GiB its files take (least recently used removed first).")
+    kv_tier_format: str = _opt("auto", "How the KV tiers store blocks: auto (an 8-bit pool's own bytes; an int8 copy of a wider pool on CPUs, its exact bytes on GPUs), exact (the pool's bytes: resumed requests compute exactly what cold ones do) or int8 (a quarter of an fp32 pool's bytes, within 8-bit rounding).", choices=["auto", "exact", "int8"])
+    kv_tier_block_tokens: int = _opt(16, "Tokens per block the KV tiers store (rounded up to whole pages): a prefix is kept and found in whole blocks, so the last partial block of an evicted prefix is recomputed.")
     log_level: str = _opt("warning", "Logging level: debug, info, warning, error.")
     debug_check_accounting: bool = _opt(False, "Check after every step that each KV slot is free, cached or held by one request (slow; for tests). Also on when RADIXLM_CHECK_ACCOUNTING=1.")
     debug_fault_injection: bool = _opt(False, "Test only: a request whose rid starts with fault-<stage>- fails at that stage (admit, grammar, sample, forward, output, nan).")
@@ -125,6 +130,7 @@ class ServerArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._validate_speculative()
         self._validate_disaggregation()
+        self._validate_kv_tiers()
         self._validate_lora()
         dims = self.matryoshka_dims
         if dims is not None and dims.strip().lower() != "any" and not all(p.strip().isdigit() and int(p) > 0 for p in dims.split(",")):
@@ -155,6 +161,35 @@ class ServerArgs:
             raise ValueError(f"lora_dtype must be auto, float32, bfloat16 or float16, got {self.lora_dtype!r}")
         if self.lora_enabled and self.tp_size > 1:
             raise ValueError("LoRA adapters (lora_paths, enable_lora) do not run with tp_size > 1 yet")
+
+    def _validate_kv_tiers(self) -> None:
+        for name in ("kv_host_cache_gb", "kv_disk_cache_gb"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be a number of GiB >= 0, got {v!r}")
+        if not isinstance(self.kv_tier_block_tokens, int) or isinstance(self.kv_tier_block_tokens, bool) or self.kv_tier_block_tokens < 1:
+            raise ValueError(f"kv_tier_block_tokens must be a positive integer, got {self.kv_tier_block_tokens!r}")
+        if self.kv_disk_cache_dir is not None and self.kv_disk_cache_gb <= 0:
+            raise ValueError(f"kv_disk_cache_gb must be > 0 with kv_disk_cache_dir, got {self.kv_disk_cache_gb}")
+        if not self.kv_tiers_enabled:
+            return
+        if self.disable_radix_cache:
+            raise ValueError("kv_host_cache_gb / kv_disk_cache_dir need the radix cache (drop disable_radix_cache)")
+        if self.tp_size > 1:
+            raise ValueError("kv_host_cache_gb / kv_disk_cache_dir do not run with tp_size > 1 yet (each rank holds part of the KV)")
+        if self.speculative_algorithm == "draft":
+            raise ValueError("kv_host_cache_gb / kv_disk_cache_dir do not run with speculative_algorithm='draft' yet (the draft model's KV pool is not tiered; use 'ngram')")
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        """True when a host or disk tier sits under the radix cache."""
+        return self.kv_host_cache_gb > 0 or self.kv_disk_cache_dir is not None
+
+    @property
+    def kv_host_cache_bytes(self) -> int:
+        """The host tier's budget in bytes (1 GiB under a disk tier when not given)."""
+        gb = self.kv_host_cache_gb if self.kv_host_cache_gb > 0 or self.kv_disk_cache_dir is None else 1.0
+        return int(gb * (1 << 30))
 
     @property
     def lora_enabled(self) -> bool:

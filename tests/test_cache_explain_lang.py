@@ -21,7 +21,9 @@ def test_program_name_is_the_origin_of_the_prefix_a_second_run_reuses(lang_backe
     assert first.error() is None and second.error() is None
     info = second.get_meta_info("answer")["cache_info"]
     assert info["cached_tokens"] > 0
-    assert info["segments"][0]["program"] == "quiz"
+    # the end of the reused prefix is quiz's own text (its first tokens may have been computed by
+    # another program on a shared server: the docs' few_shot example also opens with "Q: What is")
+    assert info["segments"][-1]["program"] == "quiz" and info["segments"][-1]["end"] == info["cached_tokens"]
 
 
 def test_gen_refuses_a_non_boolean_return_cache_info():

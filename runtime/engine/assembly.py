@@ -3,12 +3,16 @@ prefill/decode hand-over) built from ServerArgs, without a loop thread."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.radix_cache import KVManager, RadixCache, ReqToTokenTable, SlotAllocator
+from radixlm.radix_cache.tiers import KVTiers
+from radixlm.radix_cache.tiers.codec import KVCodec
 from radixlm.runtime.constrained.compiler import GrammarCompiler
 from radixlm.runtime.disaggregation.scheduling import Disaggregation, open_link_side
+from radixlm.runtime.disk_cache import model_digest
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.executor.tp_driver import TPDriver
 from radixlm.runtime.loader import resolve_model_path
@@ -17,6 +21,8 @@ from radixlm.runtime.scheduler.step import Scheduler
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
 from radixlm.runtime.tokenizer import end_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,6 +51,8 @@ def build_parts(args: ServerArgs) -> EngineParts:
     table = ReqToTokenTable(args.max_running_requests + 8, width, device)
     tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache, track_origins=not args.disable_cache_explain)
     kv = KVManager(allocator, table, tree)
+    if args.kv_tiers_enabled:
+        kv.attach_tiers(make_kv_tiers(args, model_path, runner))
     end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
     scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids, tokenizer)
     grammars = make_grammar_compiler(args, tokenizer, runner.config.vocab_size, end_ids)
@@ -52,6 +60,18 @@ def build_parts(args: ServerArgs) -> EngineParts:
     if pd is not None:
         scheduler.attach_pd(pd)
     return EngineParts(args, model_path, tokenizer, runner, kv, scheduler, grammars, pd)
+
+
+def make_kv_tiers(args: ServerArgs, model_path: str, runner: ModelRunner) -> KVTiers:
+    """The host (and disk) tiers under the radix cache, named for this model and how it runs."""
+    codec = KVCodec(runner.kv_pool, args.kv_tier_format)
+    how = f"dtype={runner.dtype}|quantization={args.quantization}"
+    digest = model_digest(model_path, how)
+    disk_bytes = int(args.kv_disk_cache_gb * (1 << 30))
+    tiers = KVTiers(codec, args.page_size, args.kv_host_cache_bytes, digest, args.kv_disk_cache_dir, disk_bytes, args.kv_tier_block_tokens)
+    logger.info("KV tiers: host %.2f GiB%s, blocks of %d tokens stored %s (%d bytes a token)", args.kv_host_cache_bytes / (1 << 30),
+                f", disk {args.kv_disk_cache_gb} GiB in {args.kv_disk_cache_dir}" if args.kv_disk_cache_dir else "", tiers.block_tokens, codec.label, codec.width)
+    return tiers
 
 
 def make_grammar_compiler(args: ServerArgs, tokenizer: Any, vocab_size: int, end_ids: set[int]) -> GrammarCompiler:

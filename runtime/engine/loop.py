@@ -26,6 +26,8 @@ from radixlm.runtime.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+STALLED_WAIT_S = 0.002  # after a step that could run nothing, wait this long for news before the next
+
 _STOP = object()
 _CALL_POLL_S = 0.5  # how often a caller waiting on the loop checks that it still runs
 
@@ -79,13 +81,18 @@ class EngineLoop:
             self._stop(rt.scheduler, message)
             if rt.pd is not None:
                 rt.pd.close()
+            try:
+                rt.kv.close_tiers()  # what the tree holds goes down to disk, queued writes finish
+            except Exception:
+                logger.exception("saving the KV tiers at shutdown failed")
             rt.runner.close()
 
     def _loop(self, sched: Scheduler) -> None:
+        stalled = False  # the last step ran nothing though work waits (memory, a disk read): do not spin
         while True:
             block = not sched.has_work()
             try:
-                item = self.inbox.get(block=block)
+                item = self.inbox.get(block=block or stalled, timeout=STALLED_WAIT_S if stalled and not block else None)
             except queue.Empty:
                 item = None
             while item is not None:
@@ -96,8 +103,9 @@ class EngineLoop:
                     item = self.inbox.get_nowait()
                 except queue.Empty:
                     item = None
+            stalled = False
             try:
-                sched.step()
+                stalled = not sched.step() and sched.has_work()
             except FatalEngineError:
                 raise
             except Exception as exc:  # no request owns this error: fail what runs, keep serving

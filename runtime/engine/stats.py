@@ -32,6 +32,7 @@ def engine_stats(rt: EngineParts) -> dict[str, Any]:
         "grammar_lazy_picks": s.decoder.grammar_lazy_picks,
         **s.speculator.stats(),
         **(rt.pd.stats() if rt.pd is not None else {}),
+        **({"kv_tiers": rt.kv.tiers.snapshot()} if rt.kv.tiers is not None else {}),
     }
 
 
@@ -51,4 +52,5 @@ def dashboard_counters(rt: EngineParts) -> dict[str, Any]:
         "num_running": len(s.running),
         "num_waiting": len(s.waiting),
         "clock": tree.root.last_access,  # the LRU clock, as of the last prefix match
+        **({"kv_tiers": rt.kv.tiers.snapshot()} if rt.kv.tiers is not None else {}),
     }

@@ -98,6 +98,10 @@ class Admission(Finishing):
                     break
                 continue
             prefix_slots, node = self.kv.match(req.cache_ids, req.max_cacheable_prefix())
+            if self.kv.tiers is not None:
+                if req.tier_fetch is not None and not req.tier_fetch.done():
+                    continue  # its prefix is still being read from the disk tier: others go first
+                prefix_slots, node = self._promote(req, prefix_slots, node)
             if self._shares_in_batch(in_batch, req, len(prefix_slots)):
                 continue
             length = self._chunk_len(req, len(prefix_slots), budget)
@@ -128,6 +132,31 @@ class Admission(Finishing):
             rows.append(row)
             budget -= length
         return rows
+
+    def _promote(self, req: Req, prefix_slots: torch.Tensor, node: TreeNode) -> tuple[torch.Tensor, TreeNode]:
+        """The match extended with what the KV tiers hold past it (unchanged if loading fails)."""
+        loaded: dict[str, int] = {}
+        fetch, req.tier_fetch = req.tier_fetch, None
+        try:
+            staged = fetch.result() if fetch is not None and fetch.exception() is None else None
+            prefix_slots, node, loaded = self.kv.promote(req.cache_ids, req.max_cacheable_prefix(), prefix_slots, node, staged)
+        except Exception:
+            logger.exception("loading request %s's prefix from the KV tiers failed; computing it instead", req.rid)
+        if req.cached_tokens < 0 and (loaded or req.tier_tokens is None):  # before its first admission: what meta_info reports
+            req.tier_tokens = {tier: loaded.get(tier, 0) for tier in ("host", "disk")}  # (kept if admission must wait after loading)
+        return prefix_slots, node
+
+    def prefetch_tiers(self, req: Req) -> None:
+        """Start reading the disk blocks that continue ``req``'s cached prefix (at enqueue time)."""
+        tiers = self.kv.tiers
+        if tiers is None or tiers.disk is None or self.kv.tree.disable:
+            return
+        try:
+            limit = req.max_cacheable_prefix()
+            cached = self.kv.tree.match_prefix(req.cache_ids[:limit]).length
+            req.tier_fetch = tiers.prefetch(req.cache_ids, cached, limit)
+        except Exception:
+            logger.exception("prefetching request %s's prefix from the disk tier failed", req.rid)
 
     @staticmethod
     def _completes_prompt(row: Row) -> bool:

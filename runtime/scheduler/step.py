@@ -61,6 +61,7 @@ class Scheduler(Admission, Retraction, Preemption, ForwardPass):
                 self.finish(req, FinishReason.failure(f"the KV link to the prefill worker is down: {exc}", 503))
                 return
         req.queued_at = clock()
+        self.prefetch_tiers(req)
         self.waiting.append(req)
 
     def has_work(self) -> bool:

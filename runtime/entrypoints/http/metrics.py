@@ -47,6 +47,15 @@ class ServerMetrics:
         self.preempted = Counter("radixlm_preempted_requests", "Running requests that gave way to a more urgent one (priority policy).", registry=r)
         self.class_queue = Histogram("radixlm_priority_queue_time_seconds", "Time from arrival to first admission, per priority class.", ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
         self.class_ttft = Histogram("radixlm_priority_time_to_first_token_seconds", "Time to first token, per priority class.", ["priority"], buckets=_LATENCY_BUCKETS, registry=r)
+        tier = ["tier"]
+        self.tier_hits = Counter("radixlm_kv_tier_hit_tokens", "Prompt tokens loaded back from a KV tier (host, disk) instead of computed.", tier, registry=r)
+        self.tier_promotions = Counter("radixlm_kv_tier_promoted_blocks", "KV blocks loaded up from a tier (host: into the pool; disk: into host memory).", tier, registry=r)
+        self.tier_demotions = Counter("radixlm_kv_tier_demoted_blocks", "KV blocks moved down into a tier (host: evicted from the pool; disk: evicted from host memory).", tier, registry=r)
+        self.tier_bytes_read = Counter("radixlm_kv_tier_read_bytes", "Bytes read from a KV tier.", tier, registry=r)
+        self.tier_bytes_written = Counter("radixlm_kv_tier_written_bytes", "Bytes written into a KV tier.", tier, registry=r)
+        self.tier_load_seconds = Counter("radixlm_kv_tier_load_seconds", "Seconds spent loading KV blocks up from a tier (with radixlm_kv_tier_loads: the mean load latency).", tier, registry=r)
+        self.tier_loads = Counter("radixlm_kv_tier_loads", "Loads from a KV tier (one request's blocks from host, or one block from disk).", tier, registry=r)
+        self.tier_bytes = Gauge("radixlm_kv_tier_bytes", "Bytes a KV tier holds now.", tier, registry=r)
         self._seen: dict[str, int] = {}  # engine counters already added to the Counters above
 
     def observe_finished(self, meta: dict[str, Any]) -> None:
@@ -81,9 +90,22 @@ class ServerMetrics:
         self._advance(self.preempted, "total_preempted", stats.get("total_preempted", 0))
         for name in ("spec_verify_passes", "spec_draft_tokens", "spec_accepted_tokens", "grammar_masks", "grammar_lazy_picks"):
             self._advance(getattr(self, name), name, stats.get(name, 0))
+        if "kv_tiers" in stats:
+            self._tiers(stats["kv_tiers"])
         return generate_latest(self.registry)
 
-    def _advance(self, counter: Counter, name: str, total: int) -> None:
+    def _tiers(self, tiers: dict[str, Any]) -> None:
+        """Refresh the KV tiers' counters and gauges from their snapshot."""
+        pairs = ((self.tier_hits, "hit_tokens"), (self.tier_promotions, "promoted_blocks"), (self.tier_demotions, "demoted_blocks"),
+                 (self.tier_bytes_read, "bytes_read"), (self.tier_bytes_written, "bytes_written"), (self.tier_load_seconds, "load_seconds"),
+                 (self.tier_loads, "loads"))
+        for tier in ("host", "disk"):
+            for counter, name in pairs:
+                self._advance(counter.labels(tier=tier), f"tier_{name}_{tier}", tiers[name].get(tier, 0))
+            if tier in tiers:
+                self.tier_bytes.labels(tier=tier).set(tiers[tier]["bytes"])
+
+    def _advance(self, counter: Counter, name: str, total: float) -> None:
         """Bring ``counter`` up to the engine's running ``total``."""
         delta = total - self._seen.get(name, 0)
         if delta > 0:

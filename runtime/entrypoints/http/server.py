@@ -166,6 +166,9 @@ def _add_native_routes(app: FastAPI, state: ServerState) -> None:
         stats["kv_invariant_holds"] = await asyncio.to_thread(engine.kv_invariant_holds_when_idle)
         stats["in_flight"] = state.in_flight
         args = vars(engine.args) if is_admin(request) else redact_paths(vars(engine.args))
+        disk = stats.get("kv_tiers", {}).get("disk")
+        if disk and disk["stopped"] and not is_admin(request):  # the reason may name the folder
+            disk["stopped"] = "stopped (the admin key shows why)"
         weights = {"weight_bytes": engine.runner.weight_bytes, "weight_formats": sorted(engine.runner.weight_formats)}
         return {**args, "served_model_name": state.model_name, **weights, "stats": stats}
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from radixlm.runtime.entrypoints.http.common import ServerState
 
 ADMIN_SCOPE_KEY = "radixlm_admin"  # set in the ASGI scope's state by the guard
-_PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "disaggregation_bootstrap")
+_PATH_FIELDS = ("model_path", "tokenizer_path", "speculative_draft_model_path", "disaggregation_bootstrap", "kv_disk_cache_dir")
 # explanation fields that name other requests or carry their text
 _PRIVATE_EXPLANATION_FIELDS = ("rid", "program", "prompt_cache_key")
 

@@ -14,6 +14,9 @@ def answer_usage(plan: Plan, outs: list[ReqOutput]) -> dict[str, Any]:
     completion = sum(o.meta_info["completion_tokens"] for o in outs)
     cached = sum(o.meta_info["cached_tokens"] for o in outs[:: plan.n]) if outs else 0
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    tiered = [o.meta_info["cached_tokens_details"] for o in outs[:: plan.n] if "cached_tokens_details" in o.meta_info]
+    if tiered:  # KV tiers on: the cached tokens split by the tier they came from
+        usage["prompt_tokens_details"]["cached_tokens_details"] = {t: sum(d[t] for d in tiered) for t in ("device", "host", "disk")}
     if plan.prediction is not None:
         usage["completion_tokens_details"] = {name: sum(o.meta_info.get(name, 0) for o in outs) for name in ("accepted_prediction_tokens", "rejected_prediction_tokens")}
     passes = sum(o.meta_info.get("spec_verify_passes", 0) for o in outs)

@@ -246,7 +246,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: dict[str, Any] | None = None  # cached_tokens (and with KV tiers, cached_tokens_details by tier)
 
 
 class ErrorResponse(BaseModel):
