@@ -150,12 +150,12 @@ class KVManager:
         except Exception:
             self.allocator.free_slots(slots)
             raise
-        tier = max(found.tokens_from().items(), key=lambda kv: kv[1])[0]
-        kept = self.tree.insert(tokens[: found.end], torch.cat([prefix_slots, slots]), tier=tier)
+        loaded = found.tokens_from()
+        kept = self.tree.insert(tokens[: found.end], torch.cat([prefix_slots, slots]), tier=max(loaded, key=loaded.get))
         if kept > start:  # the tree held part of it after all: those slots are duplicates
             self.allocator.free_slots(slots[: kept - start])
         result = self.tree.match_prefix(tokens[: found.end])
-        return result.slots, result.last_node, found.tokens_from()
+        return result.slots, result.last_node, loaded
 
     def admit(self, prefix_slots: torch.Tensor, last_node: TreeNode, origin: Origin | None = None) -> KVState | None:
         """Give a request a table row seeded with its cached prefix; locks the prefix.

@@ -78,8 +78,7 @@ class OutputBuilder:
             "e2e_latency": time.monotonic() - req.arrival,
         }
         if req.tier_tokens is not None:  # KV tiers on: where the cached tokens came from
-            lower = req.tier_tokens["host"] + req.tier_tokens["disk"]
-            meta["cached_tokens_details"] = {"device": max(meta["cached_tokens"] - lower, 0), **req.tier_tokens}
+            meta["cached_tokens_details"] = {"device": max(meta["cached_tokens"] - sum(req.tier_tokens.values()), 0), **req.tier_tokens}
         if req.first_token_time is not None:
             meta["ttft"] = req.first_token_time - req.arrival
         if req.admitted_at is not None:

@@ -53,8 +53,8 @@ class DiskTier:
         self.capacity = capacity_bytes
         self.identity = dict(identity)  # model, format, page_size, block_tokens, width
         self.stopped: str | None = None  # why the tier stopped, once it has
-        self.written = self.read_ok = self.rejected = self.dropped = 0
-        self.bytes_written = self.bytes_read = 0
+        self.rejected = self.dropped = 0  # files removed for failing a check; blocks dropped with the writer behind
+        self.bytes_written = 0
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
         self._used = 0
         self._lock = threading.Lock()
@@ -166,8 +166,6 @@ class DiskTier:
                 self._index[key] = size
                 self._used += size
             self._index.move_to_end(key)
-            self.read_ok += 1
-            self.bytes_read += size
         return Block(key, tuple(tokens), rows, source="disk", salt=salt)
 
     def _forget(self, key: bytes) -> None:
@@ -247,7 +245,6 @@ class DiskTier:
             self._index[block.key] = size
             if block.protect_until > time.monotonic():
                 self._hints[block.key] = block.protect_until
-            self.written += 1
             self.bytes_written += size
         self._trim()
 

@@ -44,20 +44,26 @@ from radixlm.radix_cache.tiers.host import Block, HostTier
 logger = logging.getLogger(__name__)
 
 TIERS = ("device", "host", "disk")
+LOWER_TIERS = TIERS[1:]  # the tiers below the pool
 DEFAULT_BLOCK_TOKENS = 16
+
+
+def _per_tier(zero: float = 0):
+    """A dataclass field: ``zero`` for each lower tier."""
+    return field(default_factory=lambda: dict.fromkeys(LOWER_TIERS, zero))
 
 
 @dataclass
 class TierStats:
     """Running totals of what moved between the tiers (the engine's stats and Prometheus read these)."""
 
-    hit_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))  # prompt tokens loaded from each tier
-    promoted_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))  # into the pool (host) or host (disk)
-    demoted_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))  # into each tier
-    bytes_read: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))
-    bytes_written: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))
-    load_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0.0))
-    loads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))
+    hit_tokens: dict[str, int] = _per_tier()  # prompt tokens loaded from each tier
+    promoted_blocks: dict[str, int] = _per_tier()  # into the pool (host) or host (disk)
+    demoted_blocks: dict[str, int] = _per_tier()  # into each tier
+    bytes_read: dict[str, int] = _per_tier()
+    bytes_written: dict[str, int] = _per_tier()
+    load_seconds: dict[str, float] = _per_tier(0.0)
+    loads: dict[str, int] = _per_tier()
 
 
 @dataclass
@@ -70,7 +76,7 @@ class Promotion:
 
     def tokens_from(self) -> dict[str, int]:
         """Tokens past ``start`` by the tier they were read from."""
-        out = dict.fromkeys(TIERS[1:], 0)
+        out = dict.fromkeys(LOWER_TIERS, 0)
         pos = self.end - sum(len(b.tokens) for b in self.blocks)
         for b in self.blocks:
             out[b.source] += pos + len(b.tokens) - max(pos, self.start)

@@ -43,7 +43,6 @@ class HostTier:
         self._blocks: OrderedDict[bytes, Block] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
-        self.evicted = 0  # blocks that left this tier for lack of room
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -101,7 +100,6 @@ class HostTier:
                 victim = next(iter(self._blocks.values()))
             del self._blocks[victim.key]
             self._used -= victim.nbytes
-            self.evicted += 1
             out.append(victim)
         return out
 

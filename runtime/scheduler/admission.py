@@ -18,6 +18,7 @@ import torch
 
 from radixlm.radix_cache.manager import KVState
 from radixlm.radix_cache.origin import Origin
+from radixlm.radix_cache.tiers import LOWER_TIERS
 from radixlm.radix_cache.tree import RadixCache, TreeNode
 from radixlm.runtime.lora.manager import lora_admits
 from radixlm.runtime.request import Req
@@ -143,7 +144,7 @@ class Admission(Finishing):
         except Exception:
             logger.exception("loading request %s's prefix from the KV tiers failed; computing it instead", req.rid)
         if req.cached_tokens < 0 and (loaded or req.tier_tokens is None):  # before its first admission: what meta_info reports
-            req.tier_tokens = {tier: loaded.get(tier, 0) for tier in ("host", "disk")}  # (kept if admission must wait after loading)
+            req.tier_tokens = {tier: loaded.get(tier, 0) for tier in LOWER_TIERS}  # (kept if admission must wait after loading)
         return prefix_slots, node
 
     def prefetch_tiers(self, req: Req) -> None:
