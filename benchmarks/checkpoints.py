@@ -18,8 +18,8 @@ served weights take (``weight_bytes``), batch-1 decode tok/s (128 tokens) and ba
 tok/s (32 requests of 64 tokens at once). llama.cpp's ``llama-server`` runs the same file with the
 same threads: resident memory after load, batch-1 and batch-32 (``--parallel 32``) decode tok/s.
 Then teacher-forced top-1 agreement with the reference: the reference's greedy continuations of
-4 prompts (48 tokens) are scored by every system, and each position after the first counts when
-the system's top next token is the reference's (llama.cpp: one greedy 1-token request per prefix,
+12 prompts (48 tokens each) are scored by every system, and each position after the first counts
+when the system's top next token is the reference's (llama.cpp: one greedy 1-token request per prefix,
 ``return_tokens``).
 
     make bench-peers   # builds llama.cpp's llama-server and llama-quantize once
@@ -56,7 +56,20 @@ GGUF_TYPES = {"smollm2": ["Q4_1", "Q4_K_M", "Q8_0", "Q4_0"], "llama": ["Q4_K_M",
 LABELS = {"smollm2": "SmolLM2-135M", "llama": "Llama-3.2-1B-shaped (random)"}
 PROMPT = [1, 304, 312, 298, 301, 307]  # a few in-vocabulary tokens of both tokenizers: decode dominates
 AGREEMENT_TOKENS = 48
-SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:", "Once upon a time"]
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Once upon a time",
+    "The best way to learn a new language is",
+    "import numpy as np\n\ndef mean(values):",
+    "Q: What is the boiling point of water?\nA:",
+    "Write a haiku about the sea.",
+    "SELECT name, age FROM",
+    "The three laws of motion are",
+    "Dear hiring manager,",
+    '{"name": "Alice", "age":',
+]
 
 
 @dataclass
@@ -165,11 +178,11 @@ def measure_one(path: str, threads: int) -> dict:
 
 
 def agreement_prompts(model: str, tokenizer) -> list[list[int]]:
-    """The prompts scored: SmolLM2's four texts, or four 8-token prompts inside the random model's tokenizer."""
+    """The prompts scored: SmolLM2's texts, or as many 8-token prompts inside the random model's tokenizer."""
     if model == "smollm2":
         return [tokenizer(text).input_ids for text in SMOLLM2_PROMPTS]
     rng = random.Random(0)
-    return [[1] + [rng.randrange(3, 400) for _ in range(7)] for _ in range(4)]
+    return [[1] + [rng.randrange(3, 400) for _ in range(7)] for _ in SMOLLM2_PROMPTS]
 
 
 def tops(engine, seq: list[int]) -> list[int]:
@@ -299,7 +312,7 @@ def main() -> None:
         "RSS added: resident memory a fresh process gained while the engine loaded (weights, KV pool of 8192 tokens, allocator),",
         "and in brackets its ratio to the file's size plus the pool (the aim: at most 1.10);",
         "llama.cpp RSS: llama-server's whole resident memory after load (its weights are mmapped from the file).",
-        "Agreement: teacher-forced top-1, over 4 prompts and the reference's 48-token greedy continuations (all positions after the first).",
+        "Agreement: teacher-forced top-1, over 12 prompts and the reference's 48-token greedy continuations (all positions after the first).",
         "SmolLM2's reference is each file dequantized to fp32 (radixlm's `--quantization none`: no fp32 original ships with it);",
         "the Llama-shaped model's is its fp32 folder, and its files are llama-quantize's from the f16 conversion of that folder.",
         "AWQ: the same fp32 weights as AutoAWQ GEMM int4 (round to nearest, group 128, zero points); llama.cpp does not read AWQ.",

@@ -31,7 +31,7 @@ TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q4_Z)
 # each type's fp16 fields (byte offsets in a block) and, for Q4_1/Q5_1, which may be negative (a minimum)
 HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
           IQ4_NL: (0,), IQ4_XS: (0,), Q4_Z: (0,)}  # fmt: skip
-ROWS = [1, 2, 3, 4, 5, 9, 17, 33]  # every pass size of the kernel (1..4 rows of x), remainders, and 16-row vectors (Q8_0 from 6 rows)
+ROWS = [1, 2, 3, 4, 5, 9, 17, 33]  # every pass size of the kernel (1..4 rows of x), remainders, and 16-row vectors (Q8_0 from 6 rows, the others from 12)
 SMALL_SHAPES = [(1, 32), (13, 96), (37, 576), (6, 288)]  # (n, k) for blocks of 32: 1, 3, 18, 9 blocks a row (tails of 8)
 K_SHAPES = [(1, 256), (13, 512), (7, 768)]  # super-blocks of 256
 
@@ -216,21 +216,24 @@ def test_parts_of_mixed_types_fill_their_own_rows(ext):
     assert torch.equal(y, alone)
 
 
-def test_q8_0_rows_do_not_depend_on_the_batch_they_came_in(ext):
-    # from 6 rows of x, Q8_0 takes another kernel (16 rows of x a vector): it must sum every row as
-    # the one-row kernel does, for rows of whole chunks of 8 blocks and with a tail, and for a
-    # range of weight rows that does not fill its 4-row tiles
-    for n, k in ((37, 96), (9, 576), (22, 1024)):
-        blocks = random_blocks(Q8_0, n, k, seed=3)
-        dense = dequantize(blocks, Q8_0, k)
-        x = torch.randn(37, k) * 2
-        x[3] = 0
-        y = ext.gguf_linear(x, [blocks], [Q8_0], n)
-        assert_matches(y, x, dense, f"Q8_0 n={n} k={k} m=37")
-        alone = torch.cat([ext.gguf_linear(x[i : i + 1], [blocks], [Q8_0], n) for i in range(x.shape[0])])
-        assert torch.equal(y, alone), f"n={n} k={k}: rows differ by up to {(y - alone).abs().max():.3g} from their own"
-        for m in (6, 16, 20):
-            assert torch.equal(ext.gguf_linear(x[:m], [blocks], [Q8_0], n), alone[:m]), f"n={n} k={k} m={m}"
+def test_every_type_gives_each_row_the_same_output_at_any_batch_size(ext):
+    # from 6 rows of x (Q8_0) or 12 (the others), a type takes another kernel (x interleaved, 16
+    # rows a vector, weight rows decoded once per tile of 4): it must sum every row as the one-row
+    # kernel does, for rows of whole chunks of 8 blocks and with a tail, and for a range of weight
+    # rows that does not fill its tiles
+    for qtype in TYPES:
+        shapes = ((13, 512), (9, 1024)) if block_shape(qtype)[0] == 256 else ((37, 96), (9, 576), (22, 1024))
+        for n, k in shapes:
+            blocks = random_blocks(qtype, n, k, seed=3)
+            dense = dequantize(blocks, qtype, k)
+            x = torch.randn(37, k) * 2
+            x[3] = 0
+            y = ext.gguf_linear(x, [blocks], [qtype], n)
+            assert_matches(y, x, dense, f"type {qtype} n={n} k={k} m=37")
+            alone = torch.cat([ext.gguf_linear(x[i : i + 1], [blocks], [qtype], n) for i in range(x.shape[0])])
+            assert torch.equal(y, alone), f"type {qtype} n={n} k={k}: rows differ by up to {(y - alone).abs().max():.3g} from their own"
+            for m in (6, 11, 12, 16, 20):
+                assert torch.equal(ext.gguf_linear(x[:m], [blocks], [qtype], n), alone[:m]), f"type {qtype} n={n} k={k} m={m}"
 
 
 def test_dequantize_rows_equals_gguf_bit_for_bit(ext):

@@ -27,7 +27,7 @@ from radixlm.runtime.layers.quantized_linear import (
 )
 
 SHAPES = [(1, 32), (3, 64), (4, 96), (101, 64), (576, 576), (130, 1536)]  # (out, in): tails of a tile, one block, many
-ROWS = [1, 2, 3, 4, 5, 9]  # every pass size of the kernel and a remainder
+ROWS = [1, 2, 3, 4, 5, 9, 33]  # every pass size of the row kernel, a remainder, and 16-row vectors (from 28 rows)
 
 SHIM = r"""
 #include <vector>
@@ -163,10 +163,12 @@ def test_q4_0_tiles_compute_exactly_their_q4_1_form_in_the_files_bytes(ext):
 def test_int4_linear_gives_each_row_the_same_output_at_any_batch_size(ext):
     # the C++ kernel computes every row alone: a request's logits do not depend on its batch
     torch.manual_seed(3)
+    # (from 28 rows it takes the interleaved kernel of gguf_blocks.h: the same sums in the same order)
     layer = Int4Linear(nn.Linear(96, 40), kernel="cpp")
-    x = torch.randn(7, 96)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(7)])
-    assert torch.equal(layer(x), alone)
+    x = torch.randn(40, 96)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    for m in (7, 27, 28, 33, 40):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
     assert layer.kernel == "cpp" and layer.qweight is None  # one copy of the weights
 
 

@@ -545,31 +545,44 @@ void row_dots(const uint8_t* row, const int8_t* xq, int64_t k, const float* dx, 
 #endif
 }
 
-// ---- Q8_0 at many rows of x: x interleaved, 16 rows a vector (AVX-512 VNNI builds) ----
+// ---- Many rows of x: x interleaved, 16 rows a vector (AVX-512 VNNI builds) ----
 //
 // The kernel above decodes a weight row once per 4 rows of x and sums every chunk across lanes.
-// At 6 or more rows of x, Q8_0 instead multiplies a 16-row vector of x at a time: x's codes are
-// kept interleaved (block g of rows 16v..16v+15: 8 steps of 64 bytes, step j holding each row's
-// codes 4j..4j+3, as unsigned bytes q + 128), so one vpdpbusd multiplies 4 codes of a weight row
-// (broadcast, signed) with 4 codes of each of 16 rows of x. A tile of up to 4 weight rows times
-// 2 such vectors is computed side by side: each weight dword is read once per tile, each x step
+// From 6 rows of x (Q8_0), 12 (the other types) or 28 (q4_matmul.h's int4 tiles), a type instead
+// multiplies a 16-row vector of x at a time: x's codes are kept interleaved (block g of rows
+// 16v..16v+15: 8 steps of 64 bytes, step j holding each row's codes 4j..4j+3, as unsigned bytes
+// q + 128), so one vpdpbusd multiplies 4 codes of a weight row (broadcast, signed) with 4 codes
+// of each of 16 rows of x. A tile of up to 4 weight rows is first decoded once into signed bytes
+// (Q8_0's are the file's own), with each block's scale D and minimum M; then it is multiplied
+// with 2 such vectors side by side: each weight dword is read once per vector pair, each x step
 // once per weight row of the tile, and nothing is summed across lanes. The offset of x's codes
 // adds 128 * (the block's code sum) to each dot product, subtracted exactly (the accumulator
-// starts at minus that, worked out once per weight row and block).
+// starts at minus that). Q6_K's two scales of 16 multiply the two halves' integer sums, as its
+// row kernel's int16 products do.
 //
 // A row of x gets the same sums in the same order as from row_dots (so its output does not
 // depend on the batch it came in): block g's exact integer dot product s_g, then
-// a[g % 8] = fma(s_g, dw_g * dx_g, a[g % 8]) in increasing g, then hsum's tree over a[0..7].
+// a[g % 8] = fma(s_g, D_g * dx_g, a[g % 8]) and m[g % 8] = fma(M_g, xsum_g, m[g % 8]) in
+// increasing g, then hsum's tree over a[i] + m[i].
 
-#if defined(RADIXLM_Q4_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(RADIXLM_Q4_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #define RADIXLM_GGUF_LANES 1
 #endif
 
 constexpr int64_t kLaneRows = 16;  // rows of x per interleaved vector
 constexpr int64_t kLaneBlockBytes = kLaneRows * kGroup;  // one block of a vector's 16 rows
-constexpr int64_t kLanesMinRows = 6;  // rows of x from which Q8_0 takes the interleaved kernel
+constexpr int64_t kLanesMinRows = 6;  // rows of x from which x is also kept interleaved (and Q8_0 uses it)
+// Rows of x from which the other types (and the int4 tiles) take the interleaved kernel: their
+// codes are decoded once per 4 weight rows, which pays from about 12 rows of x (single-thread,
+// 2048 x 2048, AVX-512 VNNI EPYC: 0.7-0.9x the row kernel's speed at 8 rows, 0.9-1.4x at 12,
+// 1.7-3.0x at 32); Q8_0's are read in place.
+constexpr int64_t kDecodedLanesMinRows = 12;
+// The int4 tiles' row kernel (q4_matmul.h) reads 4 weight rows in one stream and stays ahead of
+// the interleaved one below 28 rows of x (0.93x at 24, 1.2x at 32, 1.4x at 64, same machine).
+constexpr int64_t kTileLanesMinRows = 28;
 
-// Whether x of ``rows`` rows is also kept interleaved (and Q8_0 multiplied that way).
+// Whether x of ``rows`` rows is also kept interleaved.
 inline bool lanes_layout(int64_t rows) {
 #if defined(RADIXLM_GGUF_LANES)
   return rows >= kLanesMinRows;
@@ -582,14 +595,15 @@ inline bool lanes_layout(int64_t rows) {
 inline int64_t lane_vectors(int64_t rows) { return (rows + kLaneRows - 1) / kLaneRows; }
 
 // Bytes of scratch that ``rows`` rows of ``k`` take: q4::scratch_bytes' layout, then (from the
-// next 64-byte boundary) the interleaved codes and their scales where lanes_layout says so.
+// next 64-byte boundary) the interleaved codes, their scales and their sums where lanes_layout
+// says so.
 inline int64_t scratch_bytes(int64_t rows, int64_t k) {
   int64_t bytes = q4::scratch_bytes(rows, k);
-  if (lanes_layout(rows)) bytes += 64 + lane_vectors(rows) * (k / kGroup) * (kLaneBlockBytes + kLaneRows * 4);
+  if (lanes_layout(rows)) bytes += 64 + lane_vectors(rows) * (k / kGroup) * (kLaneBlockBytes + 2 * kLaneRows * 4);
   return bytes;
 }
 
-// The interleaved codes (then their scales, [vector][block][16] floats) in scratch.
+// The interleaved codes (then their scales and sums, each [vector][block][16] floats) in scratch.
 inline uint8_t* lanes_data(const uint8_t* scratch, int64_t rows, int64_t k) {
   const uintptr_t end = reinterpret_cast<uintptr_t>(scratch) + static_cast<uintptr_t>(q4::scratch_bytes(rows, k));
   return reinterpret_cast<uint8_t*>((end + 63) & ~static_cast<uintptr_t>(63));
@@ -597,21 +611,23 @@ inline uint8_t* lanes_data(const uint8_t* scratch, int64_t rows, int64_t k) {
 
 // x [rows, k] quantized into ``scratch`` (scratch_bytes(rows, k) bytes): q4::quantize_into's
 // codes, scales and sums, and their interleaved copy where lanes_layout says so (rows past the
-// last ones: codes 0, scale 0).
+// last ones: codes 0, scale 0, sum 0).
 inline void quantize_into(const float* x, int64_t rows, int64_t k, uint8_t* scratch) {
   q4::quantize_into(x, rows, k, scratch);
   if (!lanes_layout(rows)) return;
   const int64_t groups = k / kGroup, vectors = lane_vectors(rows);
   const float* dx = reinterpret_cast<const float*>(scratch);
-  const uint8_t* xq = reinterpret_cast<const uint8_t*>(dx + 2 * rows * groups);
+  const float* xsum = dx + rows * groups;
+  const uint8_t* xq = reinterpret_cast<const uint8_t*>(xsum + rows * groups);
   uint8_t* xi = lanes_data(scratch, rows, k);
   float* dxi = reinterpret_cast<float*>(xi + vectors * groups * kLaneBlockBytes);
+  float* xsi = dxi + vectors * groups * kLaneRows;
   for (int64_t v = 0; v < vectors; ++v) {
     for (int64_t lane = 0; lane < kLaneRows; ++lane) {
       const int64_t b = v * kLaneRows + lane;
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* out = xi + (v * groups + g) * kLaneBlockBytes + lane * 4;
-        float* dout = dxi + (v * groups + g) * kLaneRows + lane;
+        const int64_t at = (v * groups + g) * kLaneRows + lane;
         if (b < rows) {
           const uint8_t* src = xq + b * k + g * kGroup;
           for (int j = 0; j < 8; ++j) {
@@ -620,10 +636,11 @@ inline void quantize_into(const float* x, int64_t rows, int64_t k, uint8_t* scra
             c ^= 0x80808080u;  // q + 128 as unsigned bytes
             std::memcpy(out + j * 64, &c, 4);
           }
-          *dout = dx[b * groups + g];
+          dxi[at] = dx[b * groups + g];
+          xsi[at] = xsum[b * groups + g];
         } else {
           for (int j = 0; j < 8; ++j) std::memset(out + j * 64, 0x80, 4);
-          *dout = 0.0f;
+          dxi[at] = xsi[at] = 0.0f;
         }
       }
     }
@@ -631,78 +648,166 @@ inline void quantize_into(const float* x, int64_t rows, int64_t k, uint8_t* scra
 }
 
 #if defined(RADIXLM_GGUF_LANES)
-// For R weight rows of Q8_0 blocks: corr[r * groups + g] = -128 * (block g's code sum) and
-// dw[r * groups + g] = its scale.
-template <int R>
-inline void q8_row_sums(const uint8_t* const* rows, int64_t groups, int64_t ahead, int32_t* corr, float* dw) {
+// A tile of up to 4 weight rows as the interleaved kernel multiplies them: block g of row r's 32
+// signed codes at codes[r] + g * (32, or Q8_0's block bytes: its codes are read in place);
+// corr[r][g * H + h] = -128 * (the sum of half h's codes), with H = 2 halves of 16 for Q6_K
+// (sc[r][2 g + h]: their scales, as floats), else 1; d[r][g] = D and, for types with a minimum,
+// m[r][g] = M.
+struct LaneTile {
+  const int8_t* codes[4];
+  std::vector<int8_t> decoded;
+  std::vector<int32_t> corr;
+  std::vector<float> sc, d, m;
+  explicit LaneTile(int64_t groups) : decoded(4 * groups * kGroup), corr(8 * groups), sc(8 * groups), d(4 * groups), m(4 * groups) {}
+};
+
+// For Q8_0 rows: their codes read in place, corr = -128 * (block g's code sum), d = its scale.
+inline void q8_row_sums(const uint8_t* row, int64_t groups, int64_t ahead, int32_t* corr, float* dw) {
   const __m256i ones = _mm256_set1_epi8(1);
-  for (int r = 0; r < R; ++r) {
-    const uint8_t* row = rows[r];
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
-      const uint8_t* b = row + g * Q8_0::kBytes;
-      __builtin_prefetch(b + ahead);
-      __builtin_prefetch(b + ahead + 64);
-      __builtin_prefetch(b + ahead + 128);
-      __builtin_prefetch(b + ahead + 192);
-      __builtin_prefetch(b + ahead + 256);
-      __m256i s[8];
-      for (int i = 0; i < 8; ++i) {
-        s[i] = dot_us(ones, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * Q8_0::kBytes + 2)));
-      }
-      const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum8x8(s), 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + r * groups + g), c);
-      _mm256_storeu_ps(dw + r * groups + g, halves8(b, Q8_0::kBytes, 8));
+  int64_t g = 0;
+  for (; g + 8 <= groups; g += 8) {
+    const uint8_t* b = row + g * Q8_0::kBytes;
+    __builtin_prefetch(b + ahead);
+    __builtin_prefetch(b + ahead + 64);
+    __builtin_prefetch(b + ahead + 128);
+    __builtin_prefetch(b + ahead + 192);
+    __builtin_prefetch(b + ahead + 256);
+    __m256i s[8];
+    for (int i = 0; i < 8; ++i) {
+      s[i] = dot_us(ones, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i * Q8_0::kBytes + 2)));
     }
-    for (; g < groups; ++g) {
-      const uint8_t* b = row + g * Q8_0::kBytes;
-      int32_t t = 0;
-      for (int j = 0; j < 32; ++j) t += static_cast<int8_t>(b[2 + j]);
-      corr[r * groups + g] = -128 * t;
-      dw[r * groups + g] = half_at(b);
+    const __m256i c = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum8x8(s), 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(corr + g), c);
+    _mm256_storeu_ps(dw + g, halves8(b, Q8_0::kBytes, 8));
+  }
+  for (; g < groups; ++g) {
+    const uint8_t* b = row + g * Q8_0::kBytes;
+    int32_t t = 0;
+    for (int j = 0; j < 32; ++j) t += static_cast<int8_t>(b[2 + j]);
+    corr[g] = -128 * t;
+    dw[g] = half_at(b);
+  }
+}
+
+// A weight row of T's blocks decoded into signed codes, corrections, scales and minimums.
+template <class T>
+inline void lane_decode(const uint8_t* row, int64_t groups, int8_t* codes, int32_t* corr, float* sc, float* d,
+                        float* m) {
+  const __m256i ones = _mm256_set1_epi8(1);
+  Chunk ch;
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, groups - g0));
+    __builtin_prefetch(row + static_cast<uint64_t>(g0 + 8) / T::kSubs * T::kBytes + kPrefetch);
+    T::load(row, g0, n, ch);
+    alignas(32) float dd[8], mm[8];
+    _mm256_store_ps(dd, ch.d);
+    if constexpr (T::kLoadMin) _mm256_store_ps(mm, ch.m);
+    for (int i = 0; i < n; ++i) {
+      const int64_t g = g0 + i;
+      __m256i c;
+      if constexpr (T::kSigned) {
+        c = ch.aux[i];  // the signed codes themselves
+      } else if constexpr (T::kQ6) {
+        c = _mm256_sub_epi8(ch.q[i], _mm256_set1_epi8(32));
+      } else {
+        c = ch.q[i];  // unsigned codes, at most 31
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + g * kGroup), c);
+      alignas(32) int32_t s[8];  // lane l: the sum of codes 4l..4l+3
+      _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, c));
+      const int32_t lo = s[0] + s[1] + s[2] + s[3], hi = s[4] + s[5] + s[6] + s[7];
+      if constexpr (T::kQ6) {
+        corr[2 * g] = -128 * lo;
+        corr[2 * g + 1] = -128 * hi;
+        sc[2 * g] = static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(ch.aux[i], 0)));
+        sc[2 * g + 1] = static_cast<float>(static_cast<int16_t>(_mm256_extract_epi16(ch.aux[i], 8)));
+      } else {
+        corr[g] = -128 * (lo + hi);
+      }
+      d[g] = dd[i];
+      if constexpr (T::kLoadMin) m[g] = mm[i];
     }
   }
 }
 
-// out[(r * P + p) * 16 + lane] = weight row r's product with row 16 (v0 + p) + lane of x.
-template <int R, int P>
-inline void q8_lanes_tile(const uint8_t* const* rows, const int32_t* corr, const float* dw, const uint8_t* xi,
-                          const float* dxi, int64_t groups, int64_t v0, float* out) {
-  alignas(64) float part[8][R][P][kLaneRows];
-  for (int i = 0; i < 8; ++i) {
-    __m512 acc[R][P];
+// out[(r * P + p) * 16 + lane] = weight row r's product with row 16 (v0 + p) + lane of x; kMin:
+// the blocks have minimums, kHalves: Q6_K's two scaled halves; kSplit: 8 partial sums (block g
+// in sum g % 8, then hsum's tree: row_dots' order), or 1 (blocks in turn: the int4 tiles' order). Kept out of line: inlined into
+// its caller, GCC reloaded x's vectors for every weight row (Q8_0 at 32 rows: 9-12% slower).
+template <bool kMin, bool kHalves, int64_t kStride, int kSplit, int R, int P>
+__attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, const uint8_t* xi, const float* dxi, const float* xsi,
+                       int64_t v0, float* out) {
+  constexpr int H = kHalves ? 2 : 1;
+  const int32_t* corr = t.corr.data();
+  const float* dw = t.d.data();
+  const float* mw = t.m.data();
+  const float* scw = reinterpret_cast<const float*>(t.sc.data());
+  const int8_t* codes[R];
+  for (int r = 0; r < R; ++r) codes[r] = t.codes[r];
+  alignas(64) float part[kSplit][R][P][kLaneRows];
+  for (int i = 0; i < kSplit; ++i) {
+    __m512 acc[R][P], macc[R][P];
     for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+      for (int p = 0; p < P; ++p) acc[r][p] = macc[r][p] = _mm512_setzero_ps();
     }
-    for (int64_t g = i; g < groups; g += 8) {
+    for (int64_t g = i; g < groups; g += kSplit) {
       __m512i s[R][P];
-      const uint8_t* wq[R];
+      __m512 half[R][P];
+      const int8_t* wq[R];
       for (int r = 0; r < R; ++r) {
-        wq[r] = rows[r] + g * Q8_0::kBytes + 2;
-        const __m512i c = _mm512_set1_epi32(corr[r * groups + g]);
+        wq[r] = codes[r] + g * kStride;
+        const __m512i c = _mm512_set1_epi32(corr[(r * groups + g) * H]);
         for (int p = 0; p < P; ++p) s[r][p] = c;
       }
       const uint8_t* xg[P];
       for (int p = 0; p < P; ++p) xg[p] = xi + ((v0 + p) * groups + g) * kLaneBlockBytes;
       for (int j = 0; j < 8; ++j) {
+        if constexpr (kHalves) {
+          if (j == 4) {  // elements 0..15 done: scale them, start 16..31
+            for (int r = 0; r < R; ++r) {
+              const __m512 sc = _mm512_set1_ps(scw[(r * groups + g) * 2]);
+              const __m512i c = _mm512_set1_epi32(corr[(r * groups + g) * 2 + 1]);
+              for (int p = 0; p < P; ++p) {
+                half[r][p] = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r][p]), sc);
+                s[r][p] = c;
+              }
+            }
+          }
+        }
         __m512i xv[P];
         for (int p = 0; p < P; ++p) xv[p] = _mm512_load_si512(reinterpret_cast<const void*>(xg[p] + j * 64));
         for (int r = 0; r < R; ++r) {
-          const __m512i wv = _mm512_set1_epi32(static_cast<int>(u32_at(wq[r] + 4 * j)));
+          const __m512i wv = _mm512_set1_epi32(static_cast<int>(u32_at(reinterpret_cast<const uint8_t*>(wq[r]) + 4 * j)));
           for (int p = 0; p < P; ++p) s[r][p] = _mm512_dpbusd_epi32(s[r][p], xv[p], wv);
         }
       }
       for (int p = 0; p < P; ++p) {
-        const __m512 dxv = _mm512_load_ps(dxi + ((v0 + p) * groups + g) * kLaneRows);
+        const int64_t at = ((v0 + p) * groups + g) * kLaneRows;
+        const __m512 dxv = _mm512_load_ps(dxi + at);
         for (int r = 0; r < R; ++r) {
+          __m512 sum;
+          if constexpr (kHalves) {
+            // sc0 * s0 + sc1 * s1 in floats: every product and the sum are integers below 2^24, so exact
+            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][p]), _mm512_set1_ps(scw[(r * groups + g) * 2 + 1]), half[r][p]);
+          } else {
+            sum = _mm512_cvtepi32_ps(s[r][p]);
+          }
           const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(dw[r * groups + g]), dxv);
-          acc[r][p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][p]), scale, acc[r][p]);
+          acc[r][p] = _mm512_fmadd_ps(sum, scale, acc[r][p]);
+        }
+        if constexpr (kMin) {
+          const __m512 xsv = _mm512_load_ps(xsi + at);
+          for (int r = 0; r < R; ++r) macc[r][p] = _mm512_fmadd_ps(_mm512_set1_ps(mw[r * groups + g]), xsv, macc[r][p]);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) _mm512_store_ps(part[i][r][p], acc[r][p]);
+      for (int p = 0; p < P; ++p) _mm512_store_ps(part[i][r][p], kMin ? _mm512_add_ps(acc[r][p], macc[r][p]) : acc[r][p]);
     }
+  }
+  if constexpr (kSplit == 1) {
+    std::memcpy(out, part, sizeof(part));
+    return;
   }
   // hsum's tree: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
   for (int r = 0; r < R; ++r) {
@@ -716,50 +821,43 @@ inline void q8_lanes_tile(const uint8_t* const* rows, const int32_t* corr, const
   }
 }
 
-// matmul_rows_t for Q8_0 from x's interleaved copy.
-inline void q8_matmul_lanes(const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k,
-                            float* y, int64_t ldy) {
+template <bool kMin, bool kHalves, int64_t kStride, int kSplit, int P>
+inline void lanes_tile_rows(int nr, const LaneTile& t, int64_t groups, const uint8_t* xi, const float* dxi,
+                            const float* xsi, int64_t v0, float* out) {
+  switch (nr) {
+    case 1: lanes_tile<kMin, kHalves, kStride, kSplit, 1, P>(t, groups, xi, dxi, xsi, v0, out); break;
+    case 2: lanes_tile<kMin, kHalves, kStride, kSplit, 2, P>(t, groups, xi, dxi, xsi, v0, out); break;
+    case 3: lanes_tile<kMin, kHalves, kStride, kSplit, 3, P>(t, groups, xi, dxi, xsi, v0, out); break;
+    default: lanes_tile<kMin, kHalves, kStride, kSplit, 4, P>(t, groups, xi, dxi, xsi, v0, out); break;
+  }
+}
+
+// y[b * ldy + r] for weight rows r in [begin, end) and every row b of x, from x's interleaved
+// copy in ``scratch``; prepare(r0, nr, tile) fills ``tile`` with weight rows r0..r0+nr-1.
+template <bool kMin, bool kHalves, int64_t kStride, int kSplit, class Prepare>
+inline void lanes_matmul(int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k, float* y,
+                         int64_t ldy, Prepare&& prepare) {
   constexpr int kR = 4, kP = 2;
-  const int64_t groups = k / kGroup, row_bytes = groups * Q8_0::kBytes, vectors = lane_vectors(rows);
+  const int64_t groups = k / kGroup, vectors = lane_vectors(rows);
   const uint8_t* xi = lanes_data(scratch, rows, k);
   const float* dxi = reinterpret_cast<const float*>(xi + vectors * groups * kLaneBlockBytes);
+  const float* xsi = dxi + vectors * groups * kLaneRows;
   // x's vectors in panels that stay in L2 (~256 KB) while every weight row of the range passes
   int64_t panel = std::max<int64_t>(1, (256 << 10) / (kLaneBlockBytes * groups));
   if (panel > 1) panel -= panel % kP;
-  std::vector<int32_t> corr(kR * groups);
-  std::vector<float> dw(kR * groups);
+  LaneTile tile(groups);
   alignas(64) float out[kR * kP * kLaneRows];
   for (int64_t v0 = 0; v0 < vectors; v0 += panel) {
     const int64_t v1 = std::min(vectors, v0 + panel);
     for (int64_t r0 = begin; r0 < end; r0 += kR) {
       const int nr = static_cast<int>(std::min<int64_t>(kR, end - r0));
-      const uint8_t* wr[kR];
-      for (int r = 0; r < kR; ++r) wr[r] = w + (r0 + std::min(r, nr - 1)) * row_bytes;
-      const int64_t ahead = kR * row_bytes;  // the next tile's rows
-      switch (nr) {
-        case 1: q8_row_sums<1>(wr, groups, ahead, corr.data(), dw.data()); break;
-        case 2: q8_row_sums<2>(wr, groups, ahead, corr.data(), dw.data()); break;
-        case 3: q8_row_sums<3>(wr, groups, ahead, corr.data(), dw.data()); break;
-        default: q8_row_sums<4>(wr, groups, ahead, corr.data(), dw.data()); break;
-      }
+      prepare(r0, nr, tile);
       for (int64_t v = v0; v < v1; v += kP) {
         const int np = static_cast<int>(std::min<int64_t>(kP, v1 - v));
-        const int32_t* c = corr.data();
-        const float* d = dw.data();
         if (np == 2) {
-          switch (nr) {
-            case 1: q8_lanes_tile<1, 2>(wr, c, d, xi, dxi, groups, v, out); break;
-            case 2: q8_lanes_tile<2, 2>(wr, c, d, xi, dxi, groups, v, out); break;
-            case 3: q8_lanes_tile<3, 2>(wr, c, d, xi, dxi, groups, v, out); break;
-            default: q8_lanes_tile<4, 2>(wr, c, d, xi, dxi, groups, v, out); break;
-          }
+          lanes_tile_rows<kMin, kHalves, kStride, kSplit, 2>(nr, tile, groups, xi, dxi, xsi, v, out);
         } else {
-          switch (nr) {
-            case 1: q8_lanes_tile<1, 1>(wr, c, d, xi, dxi, groups, v, out); break;
-            case 2: q8_lanes_tile<2, 1>(wr, c, d, xi, dxi, groups, v, out); break;
-            case 3: q8_lanes_tile<3, 1>(wr, c, d, xi, dxi, groups, v, out); break;
-            default: q8_lanes_tile<4, 1>(wr, c, d, xi, dxi, groups, v, out); break;
-          }
+          lanes_tile_rows<kMin, kHalves, kStride, kSplit, 1>(nr, tile, groups, xi, dxi, xsi, v, out);
         }
         for (int r = 0; r < nr; ++r) {
           for (int p = 0; p < np; ++p) {
@@ -773,20 +871,72 @@ inline void q8_matmul_lanes(const uint8_t* w, int64_t begin, int64_t end, const 
     }
   }
 }
+
+// matmul_rows_t from x's interleaved copy.
+template <class T>
+inline void matmul_lanes(const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k,
+                         float* y, int64_t ldy) {
+  constexpr bool kHalves = T::kQ6;
+  constexpr int64_t kStride = T::kId == kQ8_0 ? Q8_0::kBytes : kGroup;  // Q8_0's codes are read in place
+  const int64_t groups = k / kGroup, row_bytes = k / T::kWeights * T::kBytes;
+  lanes_matmul<T::kLoadMin, kHalves, kStride, 8>(begin, end, scratch, rows, k, y, ldy, [&](int64_t r0, int nr, LaneTile& tile) {
+    for (int r = 0; r < nr; ++r) {
+      const uint8_t* row = w + (r0 + r) * row_bytes;
+      if constexpr (T::kId == kQ8_0) {
+        tile.codes[r] = reinterpret_cast<const int8_t*>(row + 2);
+        q8_row_sums(row, groups, 4 * row_bytes, tile.corr.data() + r * groups, tile.d.data() + r * groups);
+      } else {
+        int8_t* codes = tile.decoded.data() + r * groups * kGroup;
+        tile.codes[r] = codes;
+        lane_decode<T>(row, groups, codes, tile.corr.data() + r * groups * (kHalves ? 2 : 1), tile.sc.data() + r * groups * 2,
+                       tile.d.data() + r * groups, tile.m.data() + r * groups);
+      }
+    }
+  });
+}
+
+// q4::matmul_tiles from x's interleaved copy (x quantized by quantize_into above): each tile's 4
+// rows decoded to codes 0..15 with their d and m (Q4_0: -8 d, as tile_dots computes it), summed
+// block after block as tile_dots sums them, so a row's output does not depend on its batch.
+inline void matmul_tiles_lanes(const uint8_t* tiles, const uint8_t* scratch, int64_t rows, int64_t k, int64_t n,
+                               int64_t tile_begin, int64_t tile_end, float* y, bool q4_0) {
+  const int64_t groups = k / kGroup;
+  const int64_t block_bytes = q4_0 ? q4::kQ4_0TileBlockBytes : q4::kTileBlockBytes, codes_at = q4_0 ? 8 : 16;
+  const __m256i ones = _mm256_set1_epi8(1);
+  lanes_matmul<true, false, kGroup, 1>(tile_begin * q4::kTile, std::min(n, tile_end * q4::kTile), scratch, rows, k, y, n,
+                                      [&](int64_t r0, int nr, LaneTile& tile) {
+    const uint8_t* base = tiles + r0 / q4::kTile * groups * block_bytes;
+    for (int r = 0; r < nr; ++r) tile.codes[r] = tile.decoded.data() + r * groups * kGroup;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* tb = base + g * block_bytes;
+      __builtin_prefetch(tb + q4::kPrefetch);
+      for (int r = 0; r < nr; ++r) {
+        const __m256i c = nibbles32(tb + codes_at + 16 * r);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile.decoded.data() + (r * groups + g) * kGroup), c);
+        alignas(32) int32_t sums[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, c));
+        int32_t total = 0;
+        for (int l = 0; l < 8; ++l) total += sums[l];
+        tile.corr[r * groups + g] = -128 * total;
+        const float d = half_at(tb + 2 * r);
+        tile.d[r * groups + g] = d;
+        tile.m[r * groups + g] = q4_0 ? d * -8.0f : half_at(tb + 8 + 2 * r);
+      }
+    }
+  });
+}
 #endif
 
 // y[b * ldy + r] for weight rows r in [begin, end) of ``w`` (rows of T's blocks) and every row
-// b of x, from x quantized into ``scratch`` by quantize_into above (not q4's: Q8_0 at many rows
-// reads the interleaved copy).
+// b of x, from x quantized into ``scratch`` by quantize_into above (not q4's: many rows of x are
+// read from the interleaved copy).
 template <class T>
 void matmul_rows_t(const uint8_t* w, int64_t begin, int64_t end, const uint8_t* scratch, int64_t rows, int64_t k,
                    float* y, int64_t ldy) {
 #if defined(RADIXLM_GGUF_LANES)
-  if constexpr (T::kId == kQ8_0) {
-    if (lanes_layout(rows)) {
-      q8_matmul_lanes(w, begin, end, scratch, rows, k, y, ldy);
-      return;
-    }
+  if (lanes_layout(rows) && (T::kId == kQ8_0 || rows >= kDecodedLanesMinRows)) {
+    matmul_lanes<T>(w, begin, end, scratch, rows, k, y, ldy);
+    return;
   }
 #endif
   const int64_t groups = k / kGroup, row_bytes = k / T::kWeights * T::kBytes;
