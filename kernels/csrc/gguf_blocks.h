@@ -425,12 +425,17 @@ struct IQ4_XS {
   static constexpr bool kLoadMin = false;
   static void load(const uint8_t* row, int64_t g0, int, Chunk& ch) {
     const uint8_t* b = row + static_cast<uint64_t>(g0) / kSubs * kBytes;
-    alignas(32) float sc[8];
-    for (int s = 0; s < 8; ++s) {
-      sc[s] = static_cast<float>(scale(b, s));
-      signed_codes(iq4_values(b + 8 + 16 * s), ch, s);
-    }
-    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_load_ps(sc));
+    for (int s = 0; s < 8; ++s) signed_codes(iq4_values(b + 8 + 16 * s), ch, s);
+    // scale(b, s) for the 8 sub-blocks at once: s's low nibble is bits 4s..4s+3 of the 4 bytes at
+    // b + 4, its high pair bits 2s..2s+1 of the 16 bits at b + 2
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(u32_at(b + 4))),
+                                                          _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                        _mm256_set1_epi32(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[2] | (b[3] << 8)),
+                                                          _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                        _mm256_set1_epi32(3));
+    const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    ch.d = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(sc));
   }
 #endif
 };
