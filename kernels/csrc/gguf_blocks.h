@@ -663,7 +663,8 @@ struct LaneTile {
   std::vector<int8_t> decoded;
   std::vector<int32_t> corr;
   std::vector<float> sc, d, m;
-  explicit LaneTile(int64_t groups) : decoded(4 * groups * kGroup), corr(8 * groups), sc(8 * groups), d(4 * groups), m(4 * groups) {}
+  explicit LaneTile(int64_t groups)
+      : decoded(4 * groups * kGroup), corr(8 * groups), sc(8 * groups), d(4 * groups), m(4 * groups) {}
 };
 
 // For Q8_0 rows: their codes read in place, corr = -128 * (block g's code sum), d = its scale.
@@ -737,16 +738,17 @@ inline void lane_decode(const uint8_t* row, int64_t groups, int8_t* codes, int32
 
 // out[(r * P + p) * 16 + lane] = weight row r's product with row 16 (v0 + p) + lane of x; kMin:
 // the blocks have minimums, kHalves: Q6_K's two scaled halves; kSplit: 8 partial sums (block g
-// in sum g % 8, then hsum's tree: row_dots' order), or 1 (blocks in turn: the int4 tiles' order). Kept out of line: inlined into
-// its caller, GCC reloaded x's vectors for every weight row (Q8_0 at 32 rows: 9-12% slower).
+// in sum g % 8, then hsum's tree: row_dots' order), or 1 (blocks in turn: the int4 tiles' order).
+// Kept out of line: inlined into its caller, GCC reloaded x's vectors for every weight row (Q8_0
+// at 32 rows: 9-12% slower).
 template <bool kMin, bool kHalves, int64_t kStride, int kSplit, int R, int P>
-__attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, const uint8_t* xi, const float* dxi, const float* xsi,
-                       int64_t v0, float* out) {
+__attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, const uint8_t* xi, const float* dxi,
+                                          const float* xsi, int64_t v0, float* out) {
   constexpr int H = kHalves ? 2 : 1;
   const int32_t* corr = t.corr.data();
   const float* dw = t.d.data();
   const float* mw = t.m.data();
-  const float* scw = reinterpret_cast<const float*>(t.sc.data());
+  const float* scw = t.sc.data();
   const int8_t* codes[R];
   for (int r = 0; r < R; ++r) codes[r] = t.codes[r];
   alignas(64) float part[kSplit][R][P][kLaneRows];
@@ -758,9 +760,9 @@ __attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, con
     for (int64_t g = i; g < groups; g += kSplit) {
       __m512i s[R][P];
       __m512 half[R][P];
-      const int8_t* wq[R];
+      const uint8_t* wq[R];
       for (int r = 0; r < R; ++r) {
-        wq[r] = codes[r] + g * kStride;
+        wq[r] = reinterpret_cast<const uint8_t*>(codes[r] + g * kStride);
         const __m512i c = _mm512_set1_epi32(corr[(r * groups + g) * H]);
         for (int p = 0; p < P; ++p) s[r][p] = c;
       }
@@ -782,7 +784,7 @@ __attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, con
         __m512i xv[P];
         for (int p = 0; p < P; ++p) xv[p] = _mm512_load_si512(reinterpret_cast<const void*>(xg[p] + j * 64));
         for (int r = 0; r < R; ++r) {
-          const __m512i wv = _mm512_set1_epi32(static_cast<int>(u32_at(reinterpret_cast<const uint8_t*>(wq[r]) + 4 * j)));
+          const __m512i wv = _mm512_set1_epi32(static_cast<int>(u32_at(wq[r] + 4 * j)));
           for (int p = 0; p < P; ++p) s[r][p] = _mm512_dpbusd_epi32(s[r][p], xv[p], wv);
         }
       }
@@ -792,8 +794,9 @@ __attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, con
         for (int r = 0; r < R; ++r) {
           __m512 sum;
           if constexpr (kHalves) {
-            // sc0 * s0 + sc1 * s1 in floats: every product and the sum are integers below 2^24, so exact
-            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][p]), _mm512_set1_ps(scw[(r * groups + g) * 2 + 1]), half[r][p]);
+            // sc0 * s0 + sc1 * s1 in floats: every product and the sum are integers below 2^24: exact
+            const __m512 sc = _mm512_set1_ps(scw[(r * groups + g) * 2 + 1]);
+            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][p]), sc, half[r][p]);
           } else {
             sum = _mm512_cvtepi32_ps(s[r][p]);
           }
@@ -807,7 +810,9 @@ __attribute__((noinline)) void lanes_tile(const LaneTile& t, int64_t groups, con
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) _mm512_store_ps(part[i][r][p], kMin ? _mm512_add_ps(acc[r][p], macc[r][p]) : acc[r][p]);
+      for (int p = 0; p < P; ++p) {
+        _mm512_store_ps(part[i][r][p], kMin ? _mm512_add_ps(acc[r][p], macc[r][p]) : acc[r][p]);
+      }
     }
   }
   if constexpr (kSplit == 1) {
@@ -884,7 +889,7 @@ inline void matmul_lanes(const uint8_t* w, int64_t begin, int64_t end, const uin
   constexpr bool kHalves = T::kQ6;
   constexpr int64_t kStride = T::kId == kQ8_0 ? Q8_0::kBytes : kGroup;  // Q8_0's codes are read in place
   const int64_t groups = k / kGroup, row_bytes = k / T::kWeights * T::kBytes;
-  lanes_matmul<T::kLoadMin, kHalves, kStride, 8>(begin, end, scratch, rows, k, y, ldy, [&](int64_t r0, int nr, LaneTile& tile) {
+  const auto prepare = [&](int64_t r0, int nr, LaneTile& tile) {
     for (int r = 0; r < nr; ++r) {
       const uint8_t* row = w + (r0 + r) * row_bytes;
       if constexpr (T::kId == kQ8_0) {
@@ -893,11 +898,12 @@ inline void matmul_lanes(const uint8_t* w, int64_t begin, int64_t end, const uin
       } else {
         int8_t* codes = tile.decoded.data() + r * groups * kGroup;
         tile.codes[r] = codes;
-        lane_decode<T>(row, groups, codes, tile.corr.data() + r * groups * (kHalves ? 2 : 1), tile.sc.data() + r * groups * 2,
-                       tile.d.data() + r * groups, tile.m.data() + r * groups);
+        lane_decode<T>(row, groups, codes, tile.corr.data() + r * groups * (kHalves ? 2 : 1),
+                       tile.sc.data() + r * groups * 2, tile.d.data() + r * groups, tile.m.data() + r * groups);
       }
     }
-  });
+  };
+  lanes_matmul<T::kLoadMin, kHalves, kStride, 8>(begin, end, scratch, rows, k, y, ldy, prepare);
 }
 
 // q4::matmul_tiles from x's interleaved copy (x quantized by quantize_into above): each tile's 4
@@ -908,8 +914,7 @@ inline void matmul_tiles_lanes(const uint8_t* tiles, const uint8_t* scratch, int
   const int64_t groups = k / kGroup;
   const int64_t block_bytes = q4_0 ? q4::kQ4_0TileBlockBytes : q4::kTileBlockBytes, codes_at = q4_0 ? 8 : 16;
   const __m256i ones = _mm256_set1_epi8(1);
-  lanes_matmul<true, false, kGroup, 1>(tile_begin * q4::kTile, std::min(n, tile_end * q4::kTile), scratch, rows, k, y, n,
-                                      [&](int64_t r0, int nr, LaneTile& tile) {
+  const auto prepare = [&](int64_t r0, int nr, LaneTile& tile) {
     const uint8_t* base = tiles + r0 / q4::kTile * groups * block_bytes;
     for (int r = 0; r < nr; ++r) tile.codes[r] = tile.decoded.data() + r * groups * kGroup;
     for (int64_t g = 0; g < groups; ++g) {
@@ -928,7 +933,9 @@ inline void matmul_tiles_lanes(const uint8_t* tiles, const uint8_t* scratch, int
         tile.m[r * groups + g] = q4_0 ? d * -8.0f : half_at(tb + 8 + 2 * r);
       }
     }
-  });
+  };
+  const int64_t begin = tile_begin * q4::kTile, end = std::min(n, tile_end * q4::kTile);
+  lanes_matmul<true, false, kGroup, 1>(begin, end, scratch, rows, k, y, n, prepare);
 }
 #endif
 
