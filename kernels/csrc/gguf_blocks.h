@@ -695,11 +695,19 @@ inline void q8_row_sums(const uint8_t* row, int64_t groups, int64_t ahead, int32
   }
 }
 
+// The sums of 32 signed codes' two halves (elements 0..15 and 16..31).
+inline void half_sums(__m256i c, int32_t& lo, int32_t& hi) {
+  alignas(32) int32_t s[8];  // lane l: the sum of codes 4l..4l+3
+  const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), c);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(s), sums);
+  lo = s[0] + s[1] + s[2] + s[3];
+  hi = s[4] + s[5] + s[6] + s[7];
+}
+
 // A weight row of T's blocks decoded into signed codes, corrections, scales and minimums.
 template <class T>
 inline void lane_decode(const uint8_t* row, int64_t groups, int8_t* codes, int32_t* corr, float* sc, float* d,
                         float* m) {
-  const __m256i ones = _mm256_set1_epi8(1);
   Chunk ch;
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, groups - g0));
@@ -719,9 +727,8 @@ inline void lane_decode(const uint8_t* row, int64_t groups, int8_t* codes, int32
         c = ch.q[i];  // unsigned codes, at most 31
       }
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + g * kGroup), c);
-      alignas(32) int32_t s[8];  // lane l: the sum of codes 4l..4l+3
-      _mm256_store_si256(reinterpret_cast<__m256i*>(s), _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, c));
-      const int32_t lo = s[0] + s[1] + s[2] + s[3], hi = s[4] + s[5] + s[6] + s[7];
+      int32_t lo, hi;
+      half_sums(c, lo, hi);
       if constexpr (T::kQ6) {
         corr[2 * g] = -128 * lo;
         corr[2 * g + 1] = -128 * hi;
@@ -913,7 +920,6 @@ inline void matmul_tiles_lanes(const uint8_t* tiles, const uint8_t* scratch, int
                                int64_t tile_begin, int64_t tile_end, float* y, bool q4_0) {
   const int64_t groups = k / kGroup;
   const int64_t block_bytes = q4_0 ? q4::kQ4_0TileBlockBytes : q4::kTileBlockBytes, codes_at = q4_0 ? 8 : 16;
-  const __m256i ones = _mm256_set1_epi8(1);
   const auto prepare = [&](int64_t r0, int nr, LaneTile& tile) {
     const uint8_t* base = tiles + r0 / q4::kTile * groups * block_bytes;
     for (int r = 0; r < nr; ++r) tile.codes[r] = tile.decoded.data() + r * groups * kGroup;
@@ -923,11 +929,9 @@ inline void matmul_tiles_lanes(const uint8_t* tiles, const uint8_t* scratch, int
       for (int r = 0; r < nr; ++r) {
         const __m256i c = nibbles32(tb + codes_at + 16 * r);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile.decoded.data() + (r * groups + g) * kGroup), c);
-        alignas(32) int32_t sums[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, c));
-        int32_t total = 0;
-        for (int l = 0; l < 8; ++l) total += sums[l];
-        tile.corr[r * groups + g] = -128 * total;
+        int32_t lo, hi;
+        half_sums(c, lo, hi);
+        tile.corr[r * groups + g] = -128 * (lo + hi);
         const float d = half_at(tb + 2 * r);
         tile.d[r * groups + g] = d;
         tile.m[r * groups + g] = q4_0 ? d * -8.0f : half_at(tb + 8 + 2 * r);
