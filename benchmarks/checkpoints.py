@@ -17,9 +17,10 @@ For each file, in a fresh process: load time, resident memory added by loading, 
 served weights take (``weight_bytes``), batch-1 decode tok/s (128 tokens) and batch-32 decode
 tok/s (32 requests of 64 tokens at once). llama.cpp's ``llama-server`` runs the same file with the
 same threads: resident memory after load, batch-1 and batch-32 (``--parallel 32``) decode tok/s.
-Batch-1 is timed in pairs: the same fresh process then starts llama-server on the file and
-alternates one 128-token decode of each, ``PAIRS`` times, so that both see the same moments of a
-shared, noisy machine; the table gives each side's median and the median of the pairs' ratios.
+Both decode speeds are timed in pairs: the same fresh process starts llama-server on the file and
+alternates one decode of each (``PAIRS`` at batch 1, ``PAIRS_32`` at batch 32), so that both see
+the same moments of a shared, noisy machine; the table gives each side's median and the median of
+the pairs' ratios.
 Then teacher-forced top-1 agreement with the reference: the reference's greedy continuations of
 12 prompts (48 tokens each) are scored by every system, and each position after the first counts
 when the system's top next token is the reference's (llama.cpp: one greedy 1-token request per prefix,
@@ -62,6 +63,7 @@ LABELS = {"smollm2": "SmolLM2-135M", "llama": "Llama-3.2-1B-shaped (random)"}
 PROMPT = [1, 304, 312, 298, 301, 307]  # a few in-vocabulary tokens of both tokenizers: decode dominates
 AGREEMENT_TOKENS = 48
 PAIRS = 7  # alternated batch-1 decodes of radixlm and llama.cpp per file
+PAIRS_32 = 3  # alternated batch-32 decodes
 SMOLLM2_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -177,24 +179,40 @@ def measure_one(path: str, threads: int, peer: bool) -> dict:
         engine.generate(input_ids=PROMPT, sampling_params=params)
         return 128 / (time.perf_counter() - start)
 
+    prompts = [PROMPT + [300 + i] for i in range(32)]
+
+    def ours32() -> float:
+        start = time.perf_counter()
+        engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 64})
+        return 32 * 64 / (time.perf_counter() - start)
+
     result = {"load_s": load_s, "rss_added": loaded, "weight_bytes": engine.runner.weight_bytes, "pool_bytes": engine.runner.kv_pool.nbytes()}
+    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})  # warm-up
     if peer:
         import httpx
 
-        with llama_server(Path(path), threads) as (base, _), httpx.Client(timeout=600) as client:
+        with llama_server(Path(path), threads) as (base, _), httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(32) as pool:
             body = {"prompt": PROMPT, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-            client.post(base + "/completion", json={**body, "n_predict": 8})  # warm-up
+
+            def one(i: int, n: int) -> None:
+                client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": n})
+
+            def theirs32() -> float:
+                start = time.perf_counter()
+                list(pool.map(one, range(32), [64] * 32))
+                return 32 * 64 / (time.perf_counter() - start)
+
+            client.post(base + "/completion", json={**body, "n_predict": 8})  # warm-ups
+            list(pool.map(one, range(32), [4] * 32))
             pairs = [(ours(), client.post(base + "/completion", json=body).json()["timings"]["predicted_per_second"]) for _ in range(PAIRS)]
-        result["batch1"] = statistics.median(a for a, _ in pairs)
-        result["peer_batch1"] = statistics.median(b for _, b in pairs)
-        result["batch1_ratio"] = statistics.median(a / b for a, b in pairs)
+            pairs32 = [(ours32(), theirs32()) for _ in range(PAIRS_32)]
+        for name, runs in (("batch1", pairs), ("batch32", pairs32)):
+            result[name] = statistics.median(a for a, _ in runs)
+            result[f"peer_{name}"] = statistics.median(b for _, b in runs)
+            result[f"{name}_ratio"] = statistics.median(a / b for a, b in runs)
     else:
         result["batch1"] = statistics.median(ours() for _ in range(3))
-    prompts = [PROMPT + [300 + i] for i in range(32)]
-    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 4})
-    start = time.perf_counter()
-    engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 64})
-    result["batch32"] = 32 * 64 / (time.perf_counter() - start)
+        result["batch32"] = ours32()
     engine.shutdown()
     return result
 
@@ -270,24 +288,14 @@ def llama_server(path: Path, threads: int):
 
 
 def llama_cpp(path: Path, threads: int, seqs: list[list[int]]) -> dict:
-    """llama-server on ``path``: resident memory after load, batch-32 decode tok/s, top tokens along ``seqs``."""
+    """llama-server on ``path``: resident memory after load and its top tokens along ``seqs``."""
     import httpx
 
     with llama_server(path, threads) as (base, pid), httpx.Client(timeout=600) as client:
         resident = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS"))
-        body = {"prompt": PROMPT, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-
-        def one(i: int, n: int) -> None:
-            client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": n})
-
-        with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            list(pool.map(one, range(32), [4] * 32))  # warm-up
-            start = time.perf_counter()
-            list(pool.map(one, range(32), [64] * 32))
-        batch32 = 32 * 64 / (time.perf_counter() - start)
         greedy = {"n_predict": 1, "temperature": 0, "cache_prompt": True, "return_tokens": True}
         top = [[client.post(base + "/completion", json={**greedy, "prompt": s[:j]}).json()["tokens"][0] for j in range(1, len(s))] for s in seqs]
-    return {"rss": resident, "batch32": batch32, "tops": top}
+    return {"rss": resident, "tops": top}
 
 
 # ---------------------------------------------------------------- the run
@@ -307,7 +315,7 @@ def main() -> None:
         return
     mib, start = 2**20, time.perf_counter()
     rows = [
-        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm KV pool MiB | radixlm RSS added MiB (/ size + pool) | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp (paired ratio) | batch-32 tok/s radixlm / llama.cpp | top-1 agreement with fp32 radixlm / llama.cpp |",
+        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm KV pool MiB | radixlm RSS added MiB (/ size + pool) | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp (paired ratio) | batch-32 tok/s radixlm / llama.cpp (paired ratio) | top-1 agreement with fp32 radixlm / llama.cpp |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model in args.models.split(","):
@@ -327,8 +335,8 @@ def main() -> None:
             peer = llama_cpp(s.path, args.threads, seqs) if with_peer else None
             agree = agreement(radixlm_tops(s, seqs, args.threads), ref_tops)
             if peer:
-                batch1 = f"{ours['batch1']:.1f} / {ours['peer_batch1']:.1f} ({ours['batch1_ratio']:.2f})"
-                cols = [f"{peer['rss'] / mib:.0f}", batch1, f"{ours['batch32']:.1f} / {peer['batch32']:.1f}", f"{agree:.3f} / {agreement(peer['tops'], ref_tops):.3f}"]
+                speeds = [f"{ours[n]:.1f} / {ours['peer_' + n]:.1f} ({ours[n + '_ratio']:.2f})" for n in ("batch1", "batch32")]
+                cols = [f"{peer['rss'] / mib:.0f}", *speeds, f"{agree:.3f} / {agreement(peer['tops'], ref_tops):.3f}"]
             else:
                 cols = ["n/a", f"{ours['batch1']:.1f} / n/a", f"{ours['batch32']:.1f} / n/a", f"{agree:.3f} / n/a"]
             rows.append(f"| {LABELS[model]} | {s.qtype} | {size_of(s.path) / mib:.0f} | {ours['load_s']:.1f} | {ours['weight_bytes'] / mib:.0f} | {ours['pool_bytes'] / mib:.0f} | {ours['rss_added'] / mib:.0f} ({ours['rss_added'] / (size_of(s.path) + ours['pool_bytes']):.2f}) | " + " | ".join(cols) + " |")
@@ -344,7 +352,8 @@ def main() -> None:
         "RSS added: resident memory a fresh process gained while the engine loaded (weights, KV pool of 8192 tokens, allocator),",
         "and in brackets its ratio to the file's size plus the pool (the aim: at most 1.10);",
         "llama.cpp RSS: llama-server's whole resident memory after load (its weights are mmapped from the file).",
-        f"Batch-1: medians of {PAIRS} decodes of 128 tokens each, radixlm's and llama.cpp's alternated in one process; in brackets the median of the pairs' ratios.",
+        f"Batch-1 and batch-32: medians of {PAIRS} and {PAIRS_32} decodes (128 tokens; 32 requests of 64), radixlm's and llama.cpp's alternated in one process;",
+        "in brackets the median of the pairs' ratios (radixlm / llama.cpp).",
         "Agreement: teacher-forced top-1, over 12 prompts and the reference's 48-token greedy continuations (all positions after the first).",
         "SmolLM2's reference is each file dequantized to fp32 (radixlm's `--quantization none`: no fp32 original ships with it);",
         "the Llama-shaped model's is its fp32 folder, and its files are llama-quantize's from the f16 conversion of that folder.",
