@@ -163,7 +163,7 @@ def rss() -> int:
 
 def measure_one(path: str, threads: int, peer: bool) -> dict:
     """Load time, memory and decode speeds of radixlm on ``path`` (run in a fresh process); with
-    ``peer``, batch-1 alternated with llama-server's on the same file."""
+    ``peer``, each decode speed alternated with llama-server's on the same file."""
     import radixlm
     from radixlm.kernels.cpu_ext import cpu_kernels
 
