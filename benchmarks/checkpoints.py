@@ -14,8 +14,10 @@ Two models:
   the fp32 folder.
 
 For each file, in a fresh process: load time, resident memory added by loading, the bytes the
-served weights take (``weight_bytes``), batch-1 decode tok/s (128 tokens) and batch-32 decode
-tok/s (32 requests of 64 tokens at once). llama.cpp's ``llama-server`` runs the same file with the
+served weights take (``weight_bytes``), batch-1 decode tok/s (128 tokens, counted as llama-server's
+``predicted_per_second`` counts them: the 127 decode steps after the first token, over the time
+from the first token to the last) and batch-32 decode tok/s (32 requests of 64 tokens at once,
+wall clock around all of them, for both). llama.cpp's ``llama-server`` runs the same file with the
 same threads: resident memory after load, batch-1 and batch-32 (``--parallel 32``) decode tok/s.
 Both decode speeds are timed in pairs: the same fresh process starts llama-server on the file and
 alternates one decode of each (``PAIRS`` at batch 1, ``PAIRS_32`` at batch 32), so that both see
@@ -175,9 +177,10 @@ def measure_one(path: str, threads: int, peer: bool) -> dict:
     engine.generate(input_ids=PROMPT, sampling_params={**params, "max_new_tokens": 8})  # warm-up
 
     def ours() -> float:
-        start = time.perf_counter()
-        engine.generate(input_ids=PROMPT, sampling_params=params)
-        return 128 / (time.perf_counter() - start)
+        # As llama-server's predicted_per_second: the decode steps after the first token (which
+        # the prompt's pass gives), over the time from the first token to the last.
+        meta = engine.generate(input_ids=PROMPT, sampling_params=params)["meta_info"]
+        return 127 / (meta["e2e_latency"] - meta["ttft"])
 
     prompts = [PROMPT + [300 + i] for i in range(32)]
 
@@ -258,6 +261,13 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
+def discordant(ours: list[list[int]], theirs: list[list[int]], ref: list[list[int]]) -> tuple[int, int]:
+    """Positions only ``ours`` misses the reference's top token at, and positions only ``theirs`` does
+    (McNemar's counts: the two agreements differ beyond chance only when these differ a lot)."""
+    triples = [(a, b, r) for x, y, z in zip(ours, theirs, ref) for a, b, r in zip(x, y, z)]
+    return sum(a != r and b == r for a, b, r in triples), sum(a == r and b != r for a, b, r in triples)
+
+
 # ---------------------------------------------------------------- llama.cpp
 
 
@@ -315,7 +325,7 @@ def main() -> None:
         return
     mib, start = 2**20, time.perf_counter()
     rows = [
-        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm KV pool MiB | radixlm RSS added MiB (/ size + pool) | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp (paired ratio) | batch-32 tok/s radixlm / llama.cpp (paired ratio) | top-1 agreement with fp32 radixlm / llama.cpp |",
+        "| model | file | size MiB | radixlm load s | radixlm weights MiB | radixlm KV pool MiB | radixlm RSS added MiB (/ size + pool) | llama.cpp RSS MiB | batch-1 tok/s radixlm / llama.cpp (paired ratio) | batch-32 tok/s radixlm / llama.cpp (paired ratio) | top-1 agreement with fp32 radixlm / llama.cpp (positions only one misses) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for model in args.models.split(","):
@@ -333,10 +343,12 @@ def main() -> None:
                 raise RuntimeError(f"radixlm on {s.path.name}: {proc.stderr[-2000:]}")
             ours = json.loads(proc.stdout.strip().splitlines()[-1])
             peer = llama_cpp(s.path, args.threads, seqs) if with_peer else None
-            agree = agreement(radixlm_tops(s, seqs, args.threads), ref_tops)
+            our_tops = radixlm_tops(s, seqs, args.threads)
+            agree = agreement(our_tops, ref_tops)
             if peer:
                 speeds = [f"{ours[n]:.1f} / {ours['peer_' + n]:.1f} ({ours[n + '_ratio']:.2f})" for n in ("batch1", "batch32")]
-                cols = [f"{peer['rss'] / mib:.0f}", *speeds, f"{agree:.3f} / {agreement(peer['tops'], ref_tops):.3f}"]
+                only = discordant(our_tops, peer["tops"], ref_tops)
+                cols = [f"{peer['rss'] / mib:.0f}", *speeds, f"{agree:.3f} / {agreement(peer['tops'], ref_tops):.3f} ({only[0]} / {only[1]})"]
             else:
                 cols = ["n/a", f"{ours['batch1']:.1f} / n/a", f"{ours['batch32']:.1f} / n/a", f"{agree:.3f} / n/a"]
             rows.append(f"| {LABELS[model]} | {s.qtype} | {size_of(s.path) / mib:.0f} | {ours['load_s']:.1f} | {ours['weight_bytes'] / mib:.0f} | {ours['pool_bytes'] / mib:.0f} | {ours['rss_added'] / mib:.0f} ({ours['rss_added'] / (size_of(s.path) + ours['pool_bytes']):.2f}) | " + " | ".join(cols) + " |")
@@ -354,7 +366,9 @@ def main() -> None:
         "llama.cpp RSS: llama-server's whole resident memory after load (its weights are mmapped from the file).",
         f"Batch-1 and batch-32: medians of {PAIRS} and {PAIRS_32} decodes (128 tokens; 32 requests of 64), radixlm's and llama.cpp's alternated in one process;",
         "in brackets the median of the pairs' ratios (radixlm / llama.cpp).",
-        "Agreement: teacher-forced top-1, over 12 prompts and the reference's 48-token greedy continuations (all positions after the first).",
+        "Agreement: teacher-forced top-1, over 12 prompts and the reference's 48-token greedy continuations (all positions after the first);",
+        "in brackets the positions where only radixlm misses the reference's top token / where only llama.cpp does (McNemar's discordant",
+        "pairs: with n of them in all, a split further from n/2 than about sqrt(n) is unlikely to be chance).",
         "SmolLM2's reference is each file dequantized to fp32 (radixlm's `--quantization none`: no fp32 original ships with it);",
         "the Llama-shaped model's is its fp32 folder, and its files are llama-quantize's from the f16 conversion of that folder.",
         "AWQ: the same fp32 weights as AutoAWQ GEMM int4 (round to nearest, group 128, zero points); llama.cpp does not read AWQ.",

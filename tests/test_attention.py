@@ -127,6 +127,28 @@ def test_cpp_paged_decode_kernel_matches_the_reference(dtype, q_scale, splits, c
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "threads"), [(9, 3, 2), (9, 3, 4), (8, 2, 3), (10, 5, 4)])  # 5 heads in 4 groups of 2: one empty
+def test_cpp_paged_decode_at_batch_one_splits_kv_heads_over_threads_to_the_bit(heads, kv_heads, threads, cpp_ext):
+    gen = torch.Generator().manual_seed(heads * threads)
+    k, v = torch.randn(100, kv_heads, 32, generator=gen), torch.randn(100, kv_heads, 32, generator=gen)
+    slots = list(range(90, 20, -1))
+    table, q = _table([slots]), torch.randn(1, heads, 32, generator=gen)
+    args = (k, v, table, torch.tensor([0]), torch.tensor([30]), torch.tensor([len(slots) - 30]), 32**-0.5)
+    first = cpp_ext.paged_decode(q, k, v, table, torch.tensor([0]), torch.tensor([0]), torch.tensor([30]), 32**-0.5)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpp_ext.paged_decode(q, *args, first[0], first[1])
+        torch.set_num_threads(threads)
+        split = cpp_ext.paged_decode(q, *args, first[0], first[1])
+    finally:
+        torch.set_num_threads(previous)
+    for got, want in zip(split, alone):
+        assert torch.equal(got, want), "each KV head's arithmetic is the same whichever thread runs it"
+    ref = reference_attention(q, k, v, torch.tensor(slots), len(slots) - 1)
+    torch.testing.assert_close(split[0], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_decode_splits_fill_the_threads_without_short_chunks():
     from radixlm.kernels.torch_decode import cpu_decode_splits
 

@@ -1,10 +1,12 @@
 // Paged decode attention for CPUs: each query row attends to a range of its slot-table row,
 // reading keys and values straight from the KV pool (no gather into a temporary copy).
 //
-// Grid: one task per (row, chunk), spread over the intra-op threads. A row's range is cut into
-// `splits` chunks (whole blocks) so that a small batch still keeps every thread busy; a task
-// loads the row's query heads, walks its chunk's slots in blocks of BLOCK keys and, for each KV
-// head in turn, computes the block's scores (one dot product per key and query head), rescales
+// Grid: one task per (row, chunk, KV-head group), spread over the intra-op threads. A row's range
+// is cut into `splits` chunks (whole blocks) so that a small batch still keeps every thread busy;
+// where rows and chunks are still fewer than the threads (batch 1 at a short context, which the
+// caller leaves whole), the KV heads are cut into groups too. A task loads its query heads, walks
+// its chunk's slots in blocks of BLOCK keys and, for each of its KV heads in turn, computes the
+// block's scores (one dot product per key and query head), rescales
 // its online softmax once and adds the block's values (16 output lanes at a time, kept in
 // registers); it writes the normalized output and log-sum-exp of the chunk, and the chunks are
 // then merged by their lse. The
@@ -121,12 +123,20 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
   // One task per (row, chunk) walks every KV head of each block of slots in turn, so it reads
   // each slot's keys and values whole (one contiguous run per slot) rather than one head's slice
   // of it per task: the reads stay sequential where the slots are, which the hardware prefetches.
-  at::parallel_for(0, rows * splits, 1, [&](int64_t begin, int64_t end) {
+  // Only when those tasks are fewer than the threads are the KV heads cut into `head_groups`
+  // groups of `per_group` (each head's arithmetic is the same either way, so the result is too).
+  const int64_t threads = at::get_num_threads(), row_tasks = rows * splits;
+  const int64_t head_groups = row_tasks >= threads ? 1 : std::min(kv_heads, (threads + row_tasks - 1) / row_tasks);
+  const int64_t per_group = (kv_heads + head_groups - 1) / head_groups;
+  at::parallel_for(0, row_tasks * head_groups, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(heads * dim), acc(heads * dim), scores(group * BLOCK), m(heads), l(heads), rowf(dim);  // rowf: one key or value row in fp32
     std::vector<float> vscale(BLOCK);  // the block's value scales (1 for an unscaled pool)
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / splits, c = task % splits;
-      for (int64_t hh = 0; hh < heads; ++hh) {
+      const int64_t r = task / (splits * head_groups), c = task / head_groups % splits;
+      const int64_t h_begin = task % head_groups * per_group, h_end = std::min(kv_heads, h_begin + per_group);
+      const int64_t q_begin = h_begin * group, q_end = h_end * group;  // the query heads of those KV heads
+      if (h_begin >= h_end) continue;
+      for (int64_t hh = q_begin; hh < q_end; ++hh) {
         const float* src = q + (r * heads + hh) * dim;
         for (int64_t d = 0; d < dim; ++d) qf[hh * dim + d] = src[d] * scale;
       }
@@ -134,7 +144,7 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.0f);
       if (init_out != nullptr && c == 0) {  // continue from an earlier part (a shared prefix): its output and lse
-        for (int64_t hh = 0; hh < heads; ++hh) {
+        for (int64_t hh = q_begin; hh < q_end; ++hh) {
           const int64_t head = r * heads + hh;
           if (std::isinf(init_lse[head])) continue;  // no earlier part for this row
           m[hh] = init_lse[head];
@@ -152,7 +162,7 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
         // Slots may be scattered in the pool, where the hardware prefetcher cannot see ahead: ask
         // for the next block's key and value rows now, while this block computes.
         prefetch_rows(k_pool, v_pool, slots, j0 + BLOCK, std::min<int64_t>(n, j0 + 2 * BLOCK), kv_heads * dim);
-        for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t h = h_begin; h < h_end; ++h) {
           for (int64_t j = 0; j < nb; ++j) {  // one key row at a time, converted once for the whole group
             const T* kr = k_pool + (slots[j0 + j] * kv_heads + h) * dim;
             const float ks = scale_at(k_scale, slots[j0 + j], kv_heads, h);
@@ -217,7 +227,7 @@ void decode_rows(const float* q, const T* k_pool, const T* v_pool, const c10::Ha
           }
         }
       }
-      for (int64_t hh = 0; hh < heads; ++hh) {
+      for (int64_t hh = q_begin; hh < q_end; ++hh) {
         const int64_t at = (r * splits + c) * heads + hh;
         float* dst = o_base + at * dim;
         if (l[hh] == 0.0f) {  // nothing to attend to: an empty part, which a merge weighs as zero
