@@ -420,6 +420,12 @@ class Decoder:
             self._propose_drafts(req)
 
     def _check_finish(self, req: Req, token: int | None) -> FinishReason | None:
+        reason = self._finish_of(req, token)
+        if reason is not None and reason.type == "stop" and req.grammar is not None and req.grammar.cut_short():
+            return FinishReason("length", closed_within_budget=True)  # whole JSON, shortened to fit: the client is told
+        return reason
+
+    def _finish_of(self, req: Req, token: int | None) -> FinishReason | None:
         p = req.params
         n_out = len(req.output_ids)
         if req.grammar is not None and req.grammar.error() is not None:

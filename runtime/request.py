@@ -68,10 +68,13 @@ class FinishReason:
     matched: int | str | None = None
     message: str | None = None
     status: int | None = None
+    closed_within_budget: bool = False  # a length whose JSON is whole: the budget closer shortened it
 
     def to_dict(self) -> dict[str, Any]:
         """The ``finish_reason`` dict of SGLang's meta_info."""
         d: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.closed_within_budget:
+            d["closed_within_budget"] = True
         if self.message:
             d["message"] = self.message
         if self.status is not None:

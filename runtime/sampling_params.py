@@ -74,7 +74,7 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | None = None
     json_schema_strict: bool = True  # generate only the properties a schema declares (unless it allows others)
-    close_json_within_budget: bool = False  # steer JSON output to close before max_new_tokens (constrained/budget.py)
+    close_json_within_budget: bool | None = None  # steer JSON output to close before max_new_tokens (constrained/budget.py); None: on for json_schema, off for beams
     ebnf: str | None = None
     beam_width: int = 1  # > 1: beam search with this many beams, answered by as many outputs (runtime/beam_search.py)
     length_penalty: float = 1.0  # beam scores divide by output length ** this (transformers' meaning)
@@ -103,6 +103,14 @@ class SamplingParams:
             if value is not None:
                 return kind, value
         return None
+
+    @property
+    def closes_json_within_budget(self) -> bool:
+        """Whether the output's JSON is steered to close before ``max_new_tokens``: as asked, or
+        by default for a ``json_schema`` constraint (beams end on the grammar's end or the budget)."""
+        if self.close_json_within_budget is not None:
+            return self.close_json_within_budget
+        return self.json_schema is not None and self.beam_width == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -205,7 +213,7 @@ class SamplingParams:
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_schema_strict", "close_json_within_budget"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "close_json_within_budget" and self.close_json_within_budget is None):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")

@@ -4,12 +4,17 @@ the budget matcher follows, its narrowing of the mask, and calls over HTTP with 
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
+import radixlm as sgl
+from helpers import grammar_backends, tokenizer_parts
 from radixlm.runtime.constrained.base import Matcher, bitmask_width, pack_bitmask, unpack_bitmask
 from radixlm.runtime.constrained.budget import BudgetMatcher, CloseVocab, JsonShape
 from radixlm.runtime.sampling_params import SamplingParams
@@ -79,22 +84,23 @@ def test_shape_follows_nesting_strings_escapes_and_member_lengths():
     _feed(shape, [",", " {", '"name": "b', "ab"])
     assert shape.in_string and not shape.string_is_key and len(shape.levels) == 2
     _feed(shape, ['"}]'])
-    assert shape.done and shape.tight(0) is None
+    assert shape.done and not shape.tight(0)
 
 
 def test_a_string_closes_when_the_tokens_left_only_cover_the_closing():
     shape = _feed(JsonShape(), ["{", '"note"', ":", ' "abc'])
-    assert [shape.tight(n) for n in (7, 6, 5, 1)] == [None, "string", "string", "string"]  # 2 to close, 3 for a UTF-8 tail, 1 spare
+    assert [shape.tight(n) for n in (7, 6, 5, 1)] == [False, True, True, True]  # 2 to close, 3 for a UTF-8 tail, 1 spare
+    assert shape.tight(9, need=5) and not shape.tight(10, need=5), "what the document still needs counts, not only the open levels"
     _feed(shape, ['"'])
-    assert shape.tight(6) == "level" and shape.tight(7) is None  # its one member took 4 tokens
+    assert shape.tight(6) and not shape.tight(7)  # its one member took 4 tokens
 
 
 def test_no_new_member_starts_when_one_as_long_as_the_longest_would_not_fit():
     shape = _feed(JsonShape(), ["[", "{", '"a"', ":", "1", "}"])  # one call of 5 tokens, then ',' or ']'
     assert shape.levels[0].after_member
-    assert shape.tight(7) == "level" and shape.tight(8) is None  # 5 (another call) + 1 (']') + 1 spare
+    assert shape.tight(7) and not shape.tight(8)  # 5 (another call) + 1 (']') + 1 spare
     _feed(shape, [","])
-    assert shape.tight(1) is None, "once the next member has begun it must be written"
+    assert shape.tight(3) and not shape.tight(4), "once the next member has begun, only its shortest form fits (1 + 2 spare)"
 
 
 def test_budget_matcher_narrows_to_allowed_closers_only_when_tight():
@@ -120,17 +126,111 @@ def test_budget_matcher_keeps_the_grammar_mask_when_it_allows_no_closer():
     for t in (6, 1, 0, 1, 8, 1):
         m.accept(t)
     assert m.shape.tight(0)
-    assert _allowed(m) == {0, 4, 7}, "never a token the grammar refuses"
+    assert _allowed(m) == {0, 4, 7}, "never a token the grammar refuses (and no way out to follow)"
     narrow = BudgetMatcher(_Free(allowed={0, 2, 12}), vocab, budget=3)
     for t in (6, 1, 0, 1, 8, 1):
         narrow.accept(t)
-    assert _allowed(narrow) == {12}, "in a string a bracket is content, not a close"
+    assert _allowed(narrow) == {12}, "in a string a bracket is content, not a close; past the budget, the one way out"
 
 
 def test_close_json_within_budget_is_a_checked_sampling_parameter():
     assert SamplingParams.from_dict({"close_json_within_budget": True}).close_json_within_budget
     with pytest.raises(ValueError, match="close_json_within_budget"):
         SamplingParams.from_dict({"close_json_within_budget": "yes"}).validate()
+
+
+def test_close_json_within_budget_is_on_by_default_for_json_schemas_only():
+    def closes(**params) -> bool:
+        p = SamplingParams.from_dict(params)
+        p.validate()
+        return p.closes_json_within_budget
+
+    assert closes(json_schema="{}") and not closes(json_schema="{}", close_json_within_budget=False)
+    assert not closes(regex="[a-z]+") and not closes() and closes(regex="x", close_json_within_budget=True)
+    assert not closes(json_schema="{}", beam_width=2), "beams end on the grammar's end or the budget"
+    with pytest.raises(ValueError, match="close_json_within_budget"):
+        closes(json_schema="{}", beam_width=2, close_json_within_budget=True)
+
+
+# ------------------------------------------------- real grammars, a random "model"
+class City(BaseModel):
+    name: str
+    country: str
+    population: int = Field(ge=0)
+
+
+NOTES = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "pages": {"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}, "text": {"type": "string"}}, "required": ["n", "text"]}},
+    },
+    "required": ["title", "tags", "pages"],
+}
+MATRIX = {"type": "array", "items": {"type": "array", "items": {"type": "number"}}, "minItems": 2}
+SCHEMAS = {"city": City.model_json_schema(), "notes": NOTES, "matrix": MATRIX}
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path):
+    tok, vocab, ends = tokenizer_parts(smollm2_path)
+    return tok, vocab, ends, grammar_backends(tok, vocab, ends), CloseVocab.from_tokenizer(tok, vocab)
+
+
+def _random_output(smol, backend: str, schema: dict, budget: int, seed: int, close: bool) -> tuple[str, BudgetMatcher | None]:
+    """A uniformly random pick among the allowed tokens at every step (the worst model), for at
+    most ``budget`` tokens: the text, and the budget matcher when ``close``."""
+    tok, vocab, ends, backends, close_vocab = smol
+    m = backends[backend].compile("json_schema", json.dumps(schema)).matcher()
+    if close:
+        m = BudgetMatcher(m, close_vocab, budget)
+    rng = random.Random(seed)
+    row = torch.zeros(1, bitmask_width(vocab), dtype=torch.int32)
+    out: list[int] = []
+    while len(out) < budget and not m.is_terminated():
+        m.fill_bitmask(row, 0)
+        allowed = np.flatnonzero(np.unpackbits(row[0].numpy().view(np.uint8), bitorder="little")[:vocab])
+        token = int(allowed[rng.randrange(len(allowed))])
+        if token in ends:
+            break
+        assert m.accept(token)
+        out.append(token)
+    return tok.decode(out), m if close else None
+
+
+@pytest.mark.parametrize(("backend", "name"), [("llguidance", "city"), ("llguidance", "notes"), ("llguidance", "matrix"), ("outlines", "notes"), ("outlines", "matrix")])  # outlines: no 'minimum'
+def test_random_output_closes_as_valid_json_at_every_budget(smol, name, backend):
+    cut_short = 0
+    for budget in (16 if (backend, name) != ("outlines", "notes") else 20, 24, 32, 48, 80):  # outlines' shortest Notes: 17 tokens
+        for seed in range(4):
+            text, m = _random_output(smol, backend, SCHEMAS[name], budget, seed, close=True)
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+            cut_short += m.cut_short()
+    assert cut_short, "a random model never ends by itself: the closer had to act"
+
+
+def _valid(text: str | None, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text or ""), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_without_the_closer_random_output_is_cut_mid_json(smol):
+    texts = [_random_output(smol, "llguidance", SCHEMAS["city"], 24, seed, close=False)[0] for seed in range(3)]
+    assert not any(_valid(t, SCHEMAS["city"]) for t in texts)
+
+
+def test_the_way_out_counts_the_required_properties_still_missing(smol):
+    tok, vocab, ends, backends, close_vocab = smol
+    m = BudgetMatcher(backends["llguidance"].compile("json_schema", json.dumps(NOTES)).matcher(), close_vocab, 1000)
+    for t in tok.encode('{"title":"a', add_special_tokens=False):
+        assert m.accept(t)
+    assert m.shape.open_count() == 2
+    assert m.need() >= len(tok.encode('", "tags": [], "pages": []}', add_special_tokens=False)) - 2, "tags and pages are still to come"
+    assert not m.mask_needed(), "far from the end nothing narrows"
 
 
 # ------------------------------------------------------------- over HTTP
@@ -170,3 +270,51 @@ def test_a_budget_too_small_for_any_call_still_ends_with_length_and_no_call(oai)
     res = oai.chat.completions.create(model="tiny", messages=ASK, tools=[NOTE], tool_choice="required", n=4, temperature=1.0, seed=5, max_tokens=4)
     for choice in res.choices:
         assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+
+
+class Page(BaseModel):
+    n: int
+    text: str
+
+
+class Notes(BaseModel):
+    title: str
+    tags: list[str]
+    pages: list[Page]
+
+
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema()}}
+ASK_CITY = [{"role": "user", "content": "Describe a big city as JSON."}]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("budget", [32, 48, 80])  # the tiny model's small vocabulary: the shortest City takes 28 tokens, Notes 24
+@pytest.mark.parametrize("model", [City, Notes], ids=lambda m: m.__name__)
+def test_a_response_format_answer_is_valid_json_at_any_budget(oai, model, budget, temperature):
+    fmt = {"type": "json_schema", "json_schema": {"name": model.__name__, "schema": model.model_json_schema()}}
+    res = oai.chat.completions.create(model="tiny", messages=ASK_CITY, response_format=fmt, n=4, temperature=temperature, seed=11, max_tokens=budget)
+    for choice in res.choices:
+        model.model_validate_json(choice.message.content)
+        assert choice.finish_reason in ("stop", "length")
+    assert res.usage.completion_tokens <= budget * len(res.choices)
+
+
+def test_a_shortened_answer_says_length_and_the_closer_can_be_turned_off(oai, tiny_client):
+    body = {"text": "A city: ", "sampling_params": {"max_new_tokens": 40, "temperature": 1.0, "seed": 2, "json_schema": json.dumps(SCHEMAS["city"])}}
+    out = tiny_client.post("/generate", json=body).json()
+    City.model_validate_json(out["text"])
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "matched": None, "closed_within_budget": True}, "the random model never ends a string by itself"
+    res = oai.chat.completions.create(model="tiny", messages=ASK_CITY, response_format=CITY_FORMAT, n=4, temperature=1.0, seed=11, max_tokens=40, extra_body={"close_json_within_budget": False})
+    assert [c.finish_reason for c in res.choices] == ["length"] * 4
+    assert not any(_valid(c.message.content, SCHEMAS["city"]) for c in res.choices), "without the closer the answer is cut mid-JSON"
+
+
+def test_a_program_gen_with_a_json_schema_closes_within_its_max_tokens(lang_backend):
+    @sgl.function
+    def describe(s, which):
+        s += f"City number {which}: " + sgl.gen("city", json_schema=City, max_tokens=40, temperature=1.0)
+
+    for which in range(2):
+        state = describe.run(which=which, backend=lang_backend)
+        assert state.error() is None
+        City.model_validate_json(state["city"])

@@ -54,6 +54,10 @@ class Matcher(ABC):
         another (the mask narrows the grammar; see budget.py): no lazy masking then."""
         return False
 
+    def cut_short(self) -> bool:
+        """True when the matcher narrowed the grammar to end the output early (see budget.py)."""
+        return False
+
 
 class CompiledGrammar(ABC):
     """A spec compiled against a vocabulary; immutable and shared through the cache."""

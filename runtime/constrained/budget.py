@@ -1,21 +1,33 @@
 """Closing a JSON output within its token budget: a matcher that steers toward the end in time.
 
 A grammar alone lets a JSON output run to ``max_tokens`` and stop mid-value, which makes a tool
-call (or any JSON answer) useless. ``BudgetMatcher`` wraps a request's matcher and follows the
-JSON structure of what it accepts (open strings, objects, arrays, and how many tokens each
-member of an open container took). When the tokens left become few, it narrows the grammar's
-mask to the tokens that close something, provided the grammar allows one of them (in a string:
-a token that starts with ``"``, then only brackets; elsewhere: only ``}`` and ``]``, whitespace
-aside):
+call or any JSON answer useless. ``BudgetMatcher`` wraps a request's matcher and follows the JSON
+structure of what it accepts (open strings, objects and arrays, how many tokens each member of an
+open container took). It keeps an estimate of **the fewest tokens that finish the document from
+here** (``need``): a walk on a copy of the grammar along the shortest-looking way out, token by
+token the best the grammar allows by ``_walk_score`` (what closes, then punctuation that leaves
+nothing open, then other text, longest first), so the required properties still missing count,
+not only the open brackets. With that estimate it narrows the grammar's mask:
 
-- inside a string or number, when the tokens left barely cover closing every open level;
-- after a whole member of an object or array, when another member as long as the longest one so
-  far, plus closing every open level, would not fit ("do not start what cannot be finished").
-  So a call list is closed rather than a second call started, and optional properties stop.
+- to the tokens that close the open string or brackets ("closers"), when the tokens left are
+  within ``MARGIN`` of the estimate; in a string, when they barely cover the estimate and a
+  character's UTF-8 tail; after a member (or inside a number), when another member as long as the
+  longest one so far would not fit ("do not start what cannot be finished": a call list ends
+  rather than a second call begins, optional properties stop); in an empty container, when its
+  first member could not be finished (``member_need``). Where nothing may close (a key or a value
+  must come), to the tokens as good as the walk's best (the shortest kind of start);
+- to the walk's one token, once the tokens left are down to the estimate.
 
-It never allows a token the grammar refuses: where no closing token is allowed (a required key
-is missing, a value must start), the grammar's mask stands, and an output that truly cannot fit
-ends with ``length`` as before.
+It never allows a token the grammar refuses. A budget smaller than the shortest document ends
+with ``length`` and invalid JSON, as without it. When it narrowed a mask that a token was then
+taken from (``cut_short``), the request reports ``finish_reason`` ``length`` although its JSON is
+whole, so that a client knows the content was shortened.
+
+Cost: the walk takes one grammar mask and one pass over the vocabulary's scores per token of the
+way out. It is taken again when the structure changes (a string, key, value or container opens
+or ends; not inside a long string or number), every ``REFRESH`` tokens, and at every token within
+``SLACK`` of the estimate; far from the end (more than twice the estimate plus ``2 * SLACK``
+tokens left) it stands for ``4 * REFRESH`` tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from radixlm.runtime.constrained.base import Matcher, bitmask_width, pack_bitmask
@@ -30,6 +43,14 @@ from radixlm.runtime.constrained.vocab import token_bytes
 
 _WS = " \t\n\r"
 _UTF8_TAIL = 3  # tokens a character begun in a string may still need before a quote can follow
+MARGIN = 2  # tokens to spare: narrowing to a class starts this many tokens before the estimate runs out
+SLACK = 8  # near the end (within this many tokens of the estimate) it is taken again at every token
+REFRESH = 16  # tokens after which the estimate is taken again even if the structure did not change
+MAX_WALK = 256  # the longest way out walked (a longer one counts as this long)
+_EXCLUDED = 1 << 30  # the score of a token the way out never takes (no text: special tokens)
+_RANK = 1000  # a rank's score step; within a rank, a longer text scores lower (is preferred)
+_PUNCTUATION = '{}[],:"'
+_OPENED = 100  # within a rank, each bracket a token leaves open costs this much (so "[]" comes before "[{")
 
 
 def _closes_levels(text: str) -> bool:
@@ -37,9 +58,33 @@ def _closes_levels(text: str) -> bool:
     return bool(core) and set(core) <= set("}]")
 
 
+def _walk_score(text: str, where: str) -> int:
+    """How the way out ranks a token at ``where`` ("out" of strings, in a "key", in a "value"
+    string), lower first: what closes (brackets; in a string, its quote then brackets at most),
+    then JSON's punctuation alone (in a string: after its closing quote), then any other text, then
+    bare whitespace; within a rank, the fewer brackets left open and then the more characters
+    besides whitespace the better. A token without text is never taken."""
+    if not text:
+        return _EXCLUDED
+    solid = len(text) - sum(text.count(c) for c in _WS)
+    if solid == 0:
+        return 3 * _RANK
+    if where == "out":
+        closes = _closes_levels(text)
+        punctuation = set(text) <= set(_PUNCTUATION + _WS)
+    else:
+        closes = text.startswith('"') and (len(text) == 1 or _closes_levels(text[1:])) and where == "value"
+        punctuation = text.startswith('"') and set(text) <= set(_PUNCTUATION + _WS)  # a key's quote, then ':' and more
+    rank = 0 if closes else 1 if punctuation else 2
+    after = text if where == "out" else text[1:] if text.startswith('"') else ""  # what follows a string's close
+    opened = max(0, sum(after.count(c) for c in "[{") - sum(after.count(c) for c in "]}")) + after.count('"') % 2  # a quote left open too
+    return rank * _RANK + _OPENED * min(opened, 9) - min(solid, _OPENED - 1)
+
+
 class CloseVocab:
-    """Per-tokenizer tables: each token's text (bytes as latin-1) and the bitmasks of the tokens
-    that close a string (``"``, then brackets) and that close objects or arrays (brackets only)."""
+    """Per-tokenizer tables: each token's text (bytes as latin-1), the bitmasks of the tokens that
+    close a string (``"``, then brackets) and that close objects or arrays (brackets only), and
+    each token's rank on the way out outside strings, in keys and in values (``scores``)."""
 
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
@@ -47,6 +92,7 @@ class CloseVocab:
         string = [t.startswith('"') and (len(t) == 1 or _closes_levels(t[1:])) for t in texts] + pad
         level = [_closes_levels(t) for t in texts] + pad
         self.closing = {"string": pack_bitmask(torch.tensor(string)), "level": pack_bitmask(torch.tensor(level))}
+        self.scores = {where: np.array([_walk_score(t, where) for t in texts], dtype=np.int64) for where in ("out", "key", "value")}
 
     @classmethod
     def from_tokenizer(cls, hf_tokenizer, vocab_size: int) -> CloseVocab:
@@ -56,6 +102,29 @@ class CloseVocab:
             if tid < vocab_size:
                 texts[tid] = raw.decode("latin-1")  # one char per byte: the ASCII structure is exact
         return cls(texts)
+
+    def _scored(self, allowed_row: torch.Tensor, where: str) -> np.ndarray:
+        """Each token's score at ``where``, or _EXCLUDED where the int32 bitmask row refuses it."""
+        bits = np.unpackbits(allowed_row.numpy().view(np.uint8), bitorder="little")[: len(self.texts)]
+        return np.where(bits.astype(bool), self.scores[where], _EXCLUDED)
+
+    def like_best(self, allowed_row: torch.Tensor, where: str) -> torch.Tensor | None:
+        """The int32 bitmask row of the allowed tokens as good for the way out as its best one
+        (the same rank and brackets left open, any length), or None when none has text."""
+        scored = self._scored(allowed_row, where)
+        top = int(scored.min())
+        if top >= _EXCLUDED:
+            return None
+        same = (scored // _OPENED) == top // _OPENED
+        packed = np.packbits(np.concatenate([same, np.zeros(allowed_row.shape[0] * 32 - same.shape[0], dtype=bool)]), bitorder="little")
+        return torch.from_numpy(packed.view(np.int32).copy())
+
+    def best(self, allowed_row: torch.Tensor, where: str) -> int | None:
+        """The way out's token at ``where`` ("out", "key" or "value": see ``JsonShape.where``)
+        among those the int32 bitmask row allows, or None when it allows none with text."""
+        scored = self._scored(allowed_row, where)
+        token = int(scored.argmin())
+        return None if scored[token] >= _EXCLUDED else token
 
 
 @dataclass
@@ -67,6 +136,7 @@ class _Level:
     longest: int = 0
     after_member: bool = False  # a member just ended: a comma or the close comes next
     expect_key: bool = False  # object: the next string is a key
+    started: bool = False  # a member (or its key) has begun: the container is not empty
 
 
 @dataclass
@@ -86,6 +156,23 @@ class JsonShape:
         self.tokens += 1
         for c in text:
             self._char(c)
+
+    def where(self) -> str:
+        """"out" of strings, in a "key" or in a "value" string."""
+        return "out" if not self.in_string else "key" if self.string_is_key else "value"
+
+    def empty_container(self) -> bool:
+        """True right after ``[`` or ``{`` (whitespace aside): it may close, or its first member start."""
+        return not self.in_string and not self.in_scalar and bool(self.levels) and not self.levels[-1].started
+
+    def open_count(self) -> int:
+        """The open levels and string: the fewest characters (so tokens) that could close them."""
+        return len(self.levels) + (1 if self.in_string else 0)
+
+    def structure(self) -> tuple:
+        """What the shortest way out depends on: the same inside one string or number."""
+        top = self.levels[-1] if self.levels else None
+        return (len(self.levels), self.in_string, self.string_is_key, self.in_scalar, self.done, top and (top.after_member, top.expect_key))
 
     def _member_end(self) -> None:
         if not self.levels:
@@ -114,6 +201,8 @@ class JsonShape:
         if c in _WS or self.done:
             return
         top = self.levels[-1] if self.levels else None
+        if top is not None and c not in "}]":
+            top.started = True
         if c in "{[":
             self.levels.append(_Level(c, self.tokens, expect_key=c == "{"))
         elif c in "}]":
@@ -132,19 +221,17 @@ class JsonShape:
         elif c != ":":
             self.in_scalar = True
 
-    def tight(self, left: int) -> str | None:
-        """What to close now, with ``left`` tokens to go: "string", "level" (an object or array),
-        or None (go on)."""
+    def tight(self, left: int, need: int | None = None) -> bool:
+        """Whether to steer toward the end now, with ``left`` tokens to go and ``need`` the fewest
+        that finish the document from here (the open levels when not known)."""
         if self.done:
-            return None
-        closing = len(self.levels) + (1 if self.in_string else 0)
+            return False
+        need = self.open_count() if need is None else need
         if self.in_string and not self.string_is_key:
-            return "string" if left <= closing + _UTF8_TAIL + 1 else None
-        if self.in_scalar:
-            return "level" if left <= closing + 1 else None
-        if not self.in_string and self.levels and self.levels[-1].after_member:
-            return "level" if left <= self.levels[-1].longest + closing + 1 else None
-        return None
+            return left <= need + _UTF8_TAIL + 1  # a character begun may need its tail first
+        if not self.in_string and self.levels and (self.levels[-1].after_member or self.in_scalar):
+            return left <= self.levels[-1].longest + need + 1  # no room for another member as long as the longest
+        return left <= need + MARGIN
 
 
 class BudgetMatcher(Matcher):
@@ -154,28 +241,114 @@ class BudgetMatcher(Matcher):
         self.inner, self.vocab, self.budget = inner, vocab, budget
         self.shape = JsonShape()
         self._accepted: list[int] = []
+        self._need: int | None = None  # the last estimate of the tokens that finish the document
+        self._need_at, self._need_structure = 0, None  # when it was taken, and the structure then
+        self._way_out = False  # whether the walk that took it reached the document's end
+        self._acted_at: int | None = None  # tokens accepted when a mask was first narrowed
+        self._tight_at, self._tight = -1, None  # _tightness() at that many tokens accepted
+        self._member_need_at, self._member_need = -1, 0  # member_need() at that many tokens accepted
 
     def accept(self, token: int) -> bool:
         """Advance the grammar and the JSON shape by ``token``."""
         if not self.inner.accept(token):
             return False
         self._accepted.append(token)
-        self.shape.feed(self.vocab.texts[token] if token < len(self.vocab.texts) else "")
+        self.shape.feed(self._text(token))
         return True
 
+    def _text(self, token: int) -> str:
+        return self.vocab.texts[token] if token < len(self.vocab.texts) else ""
+
+    def need(self) -> int:
+        """The estimate of the fewest tokens that finish the document from here (see module doc)."""
+        n, left = len(self._accepted), self.budget - len(self._accepted)
+        floor = self.shape.open_count()
+        if self._need is not None:
+            far = left > 2 * self._need + 2 * SLACK and n - self._need_at < 4 * REFRESH
+            same = self.shape.structure() == self._need_structure and left > self._need + SLACK and n - self._need_at < REFRESH
+            if far or same:
+                return max(self._need, floor)
+        cap = min(left + SLACK, MAX_WALK)
+        self._need, self._need_at, self._need_structure = self._walk_out(cap), n, self.shape.structure()
+        self._way_out = self._need < cap
+        return max(self._need, floor)
+
+    def member_need(self) -> int:
+        """In an empty container: the tokens that finish the document if a first member starts
+        now (the way out, but not through the container's close); taken once per container."""
+        n = len(self._accepted)
+        if self._member_need_at != n:
+            cap = min(self.budget - n + SLACK, MAX_WALK)
+            self._member_need, self._member_need_at = self._walk_out(cap, open_first=True), n
+        return self._member_need
+
+    def _walk_out(self, cap: int, open_first: bool = False) -> int:
+        """Tokens along the way out on a copy of the grammar until the document ends (``cap``
+        when it does not end within ``cap``); ``open_first``: its first token closes nothing."""
+        sim, shape = self.inner.copy(), copy.deepcopy(self.shape)
+        row = torch.zeros((1, bitmask_width(len(self.vocab.texts))), dtype=torch.int32)
+        for steps in range(cap):
+            if shape.done or sim.is_terminated():
+                return steps
+            sim.fill_bitmask(row, 0)
+            if open_first and steps == 0:
+                row[0] &= ~self.vocab.closing["level"][: row.shape[1]]
+            best = self.vocab.best(row[0], shape.where())
+            if best is None or not sim.accept(best):
+                return steps if best is None else cap  # only an end token is left: the grammar ends here
+            shape.feed(self._text(best))
+        return cap
+
+    def _tightness(self) -> str | None:
+        """None (go on), "closers" (narrow to the tokens that close the string or a level, where the
+        grammar allows one) or "token" (to the way out's one token)."""
+        n = len(self._accepted)
+        if self._tight_at != n:
+            left = self.budget - n
+            need = None if self.shape.done else self.need()
+            self._tight_at = n
+            if need is None:
+                self._tight = None
+            elif left <= need and self._way_out:
+                self._tight = "token"  # the budget is down to the way out: its one token
+            elif self.shape.tight(left, need) or (self.shape.empty_container() and left <= self.member_need() + MARGIN):
+                self._tight = "closers"  # (an empty container whose first member could not be finished: close it)
+            else:
+                self._tight = None
+        return self._tight
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """The grammar's mask, narrowed to closing tokens when the budget is tight and it allows one."""
+        """The grammar's mask, narrowed toward the end when the budget is tight."""
         self.inner.fill_bitmask(bitmask, row)
-        kind = self.shape.tight(self.budget - len(self._accepted))
-        if kind is None:
+        how = self._tightness()
+        if how == "token":
+            token = self.vocab.best(bitmask[row], self.shape.where())
+            if token is None:
+                return
+            only = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
+            only[token] = True
+            narrowed = pack_bitmask(only)
+        elif how == "closers":
+            where = self.shape.where()
+            narrowed = bitmask[row] & self.vocab.closing["string" if where == "value" else "level"][: bitmask.shape[1]]
+            if where == "key" or not bool(narrowed.any()):  # nothing may close here (a key or a value must start): the shortest kind of start
+                narrowed = self.vocab.like_best(bitmask[row], self.shape.where())
+                if narrowed is None:
+                    return
+        else:
             return
-        narrowed = bitmask[row] & self.vocab.closing[kind][: bitmask.shape[1]]
-        if bool(narrowed.any()):
+        if not torch.equal(narrowed, bitmask[row]):
             bitmask[row] = narrowed
+            if self._acted_at is None:
+                self._acted_at = len(self._accepted)
 
     def mask_needed(self) -> bool:
         """True while the budget is tight: the mask then narrows what the grammar allows."""
-        return self.shape.tight(self.budget - len(self._accepted)) is not None or self.inner.mask_needed()
+        return self._tightness() is not None or self.inner.mask_needed()
+
+    def cut_short(self) -> bool:
+        """True when a narrowed mask chose a token of the output: its content was shortened."""
+        return self._acted_at is not None and len(self._accepted) > self._acted_at
 
     def is_terminated(self) -> bool:
         """As the wrapped matcher."""
@@ -188,16 +361,21 @@ class BudgetMatcher(Matcher):
             del self._accepted[len(self._accepted) - num_tokens :]
             self.shape = JsonShape()
             for token in self._accepted:
-                self.shape.feed(self.vocab.texts[token] if token < len(self.vocab.texts) else "")
+                self.shape.feed(self._text(token))
+            self._need, self._tight_at = None, -1
+            if self._acted_at is not None and self._acted_at >= len(self._accepted):
+                self._acted_at = None
 
     def forced_text(self) -> str:
         """As the wrapped matcher."""
         return self.inner.forced_text()
 
     def copy(self) -> BudgetMatcher:
-        """An independent copy (grammar state and shape)."""
+        """An independent copy (grammar state, shape and estimate)."""
         twin = BudgetMatcher(self.inner.copy(), self.vocab, self.budget)
         twin.shape, twin._accepted = copy.deepcopy(self.shape), list(self._accepted)
+        twin._need, twin._need_at, twin._need_structure, twin._acted_at = self._need, self._need_at, self._need_structure, self._acted_at
+        twin._tight_at, twin._tight, twin._way_out = self._tight_at, self._tight, self._way_out
         return twin
 
     def error(self) -> str | None:

@@ -205,8 +205,8 @@ class RequestIntake:
             req.constraint_warnings = compiled.warnings
 
     def _within_budget(self, req: Req, matcher: Matcher) -> Matcher:
-        """``matcher``, wrapped to close its JSON in time when the request asks (close_json_within_budget)."""
-        if not req.params.close_json_within_budget:
+        """``matcher``, wrapped to close its JSON in time (close_json_within_budget: by default for a JSON schema)."""
+        if not req.params.closes_json_within_budget:
             return matcher
         if self._close_vocab is None:
             self._close_vocab = CloseVocab.from_tokenizer(self.tokenizer, self.config.vocab_size)

@@ -33,8 +33,8 @@ def finish_reason(plan: Plan, out: ReqOutput, has_calls: bool) -> str | None:
     fr = out.meta_info["finish_reason"]
     if fr is None:
         return None
-    if has_calls and fr["type"] != "length":  # calls then a cut one (auto): "length", the whole ones kept
-        return "tool_calls"
+    if has_calls and (fr["type"] != "length" or fr.get("closed_within_budget")):  # calls then a cut one (auto): "length", the whole ones kept
+        return "tool_calls"  # whole calls, also when the budget closer shortened them
     if fr["type"] == "abort":
         return "abort"
     return "length" if fr["type"] == "length" else "stop"

@@ -78,7 +78,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
         elif choice == "required":
             tool_mode, sampling["json_schema"] = "required", tool_calls.required_schema(tools, body.parallel_tool_calls)
         if tool_mode is not None:  # a whole call rather than one cut by max_tokens (constrained/budget.py)
-            sampling["close_json_within_budget"] = True
+            sampling.setdefault("close_json_within_budget", True)
         else:
             tool_mode, sampling["ebnf"] = "auto", _auto_grammar(engine, sampling, tools, body.parallel_tool_calls, tool_format)
     thinking = reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)

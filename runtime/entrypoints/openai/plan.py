@@ -53,7 +53,7 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, prompt_len
     elif prompt_len + max_tokens > ctx:
         raise APIError(400, f"this model's maximum context length is {ctx} tokens; you asked for {prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate)", param="max_tokens", code="context_length_exceeded")
     sp: dict[str, Any] = {"max_new_tokens": max_tokens}
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"), ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"), ("min_new_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"), ("stop_token_ids", "stop_token_ids"), ("skip_special_tokens", "skip_special_tokens"), ("seed", "seed")):
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"), ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"), ("repetition_penalty", "repetition_penalty"), ("min_new_tokens", "min_tokens"), ("ignore_eos", "ignore_eos"), ("stop_token_ids", "stop_token_ids"), ("skip_special_tokens", "skip_special_tokens"), ("seed", "seed"), ("close_json_within_budget", "close_json_within_budget")):
         value = getattr(body, theirs)
         if value is not None:
             sp[ours] = value

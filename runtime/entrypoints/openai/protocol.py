@@ -199,6 +199,7 @@ class _SamplingFields(_Lenient):
     regex: str | None = None
     ebnf: str | None = None
     json_schema: dict[str, Any] | str | None = None
+    close_json_within_budget: StrictBool | None = None  # JSON output steered to close within max_tokens (default: on)
     logit_bias: dict[str, Number] | None = None
     best_of: StrictInt | None = None
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # share cached KV only within a salt
