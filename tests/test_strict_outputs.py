@@ -35,10 +35,8 @@ def oai(tiny_server):
 
 
 def _objects(res) -> list[dict]:
-    """The JSON objects of the choices that finished (a cut one is not JSON)."""
-    done = [c.message.content for c in res.choices if c.finish_reason == "stop"]
-    assert len(done) >= len(res.choices) // 2, [c.finish_reason for c in res.choices]
-    return [json.loads(text) for text in done]
+    """The choices' JSON objects (each closes within max_tokens: constrained/budget.py)."""
+    return [json.loads(c.message.content) for c in res.choices]
 
 
 def _city_format(strict: bool | None) -> dict:

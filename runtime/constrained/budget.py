@@ -362,7 +362,7 @@ class BudgetMatcher(Matcher):
             self.shape = JsonShape()
             for token in self._accepted:
                 self.shape.feed(self._text(token))
-            self._need, self._tight_at = None, -1
+            self._need, self._tight_at, self._member_need_at = None, -1, -1
             if self._acted_at is not None and self._acted_at >= len(self._accepted):
                 self._acted_at = None
 
