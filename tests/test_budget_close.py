@@ -223,6 +223,35 @@ def test_without_the_closer_random_output_is_cut_mid_json(smol):
     assert not any(_valid(t, SCHEMAS["city"]) for t in texts)
 
 
+def test_tokens_that_end_a_member_and_start_another_are_known_by_their_comma():
+    from radixlm.runtime.constrained.budget import _starts_member
+
+    assert _starts_member('"},', in_string=True) and _starts_member('",', in_string=True)
+    assert not _starts_member("a,b", in_string=True), "a comma inside the string is content"
+    assert _starts_member(',"', in_string=False) and _starts_member("5,", in_string=False)
+    assert not _starts_member('"a,b"', in_string=False) and not _starts_member('\\",', in_string=True), "an escaped quote does not end the string"
+
+
+def test_a_member_with_no_room_for_another_goes_on_but_no_token_may_start_the_next(smol):
+    tok, vocab, ends, backends, close_vocab = smol
+    schema = {"type": "array", "items": {"type": "string"}}
+    ids = tok.encode('["one two three four five six","x', add_special_tokens=False)
+    probe = BudgetMatcher(backends["llguidance"].compile("json_schema", json.dumps(schema)).matcher(), close_vocab, 1000)
+    for t in ids:
+        assert probe.accept(t)
+    longest, need = probe.shape.levels[-1].longest, probe.need()
+    assert longest > 6 and need <= 2
+    m = BudgetMatcher(backends["llguidance"].compile("json_schema", json.dumps(schema)).matcher(), close_vocab, len(ids) + longest + need + 1)
+    for t in ids:
+        m.accept(t)
+    row = torch.zeros(1, bitmask_width(vocab), dtype=torch.int32)
+    m.fill_bitmask(row, 0)
+    allowed = set(np.flatnonzero(np.unpackbits(row[0].numpy().view(np.uint8), bitorder="little")[:vocab]).tolist())
+    comma, word = tok.encode('","', add_special_tokens=False), tok.encode(" seven", add_special_tokens=False)
+    assert len(comma) == 1 and comma[0] not in allowed, "the string may not end with the next member's start"
+    assert set(word) <= allowed and tok.encode('"]', add_special_tokens=False)[0] in allowed, "it may go on or close"
+
+
 def test_the_way_out_counts_the_required_properties_still_missing(smol):
     tok, vocab, ends, backends, close_vocab = smol
     m = BudgetMatcher(backends["llguidance"].compile("json_schema", json.dumps(NOTES)).matcher(), close_vocab, 1000)

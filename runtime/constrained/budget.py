@@ -16,7 +16,12 @@ not only the open brackets. With that estimate it narrows the grammar's mask:
   rather than a second call begins, optional properties stop); in an empty container, when its
   first member could not be finished (``member_need``). Where nothing may close (a key or a value
   must come), to the tokens as good as the walk's best (the shortest kind of start);
-- to the walk's one token, once the tokens left are down to the estimate.
+- to all but the tokens that end the member and start another (``"},``, ``",``: a comma outside
+  strings, ``commas``), inside a value string or number when another member as long as the
+  longest would not fit: the value goes on, the container then closes;
+- to the walk's one token, once the tokens left are down to the estimate, and where an object's
+  next key is chosen when another member would not fit (the required property, not an optional
+  one).
 
 It never allows a token the grammar refuses. A budget smaller than the shortest document ends
 with ``length`` and invalid JSON, as without it. When it narrowed a mask that a token was then
@@ -58,6 +63,20 @@ def _closes_levels(text: str) -> bool:
     return bool(core) and set(core) <= set("}]")
 
 
+def _starts_member(text: str, in_string: bool) -> bool:
+    """Whether ``text``, read from inside a string or not, has a comma outside strings: it ends
+    the current member and starts another."""
+    escape = False
+    for c in text:
+        if in_string:
+            escape, in_string = (False, True) if escape else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c == ",":
+            return True
+    return False
+
+
 def _walk_score(text: str, where: str) -> int:
     """How the way out ranks a token at ``where`` ("out" of strings, in a "key", in a "value"
     string), lower first: what closes (brackets; in a string, its quote then brackets at most),
@@ -83,8 +102,10 @@ def _walk_score(text: str, where: str) -> int:
 
 class CloseVocab:
     """Per-tokenizer tables: each token's text (bytes as latin-1), the bitmasks of the tokens that
-    close a string (``"``, then brackets) and that close objects or arrays (brackets only), and
-    each token's rank on the way out outside strings, in keys and in values (``scores``)."""
+    close a string (``"``, then brackets) and that close objects or arrays (brackets only), of
+    those that start another member (a comma outside strings, read from a value string or not:
+    ``commas``), and each token's rank on the way out outside strings, in keys and in values
+    (``scores``)."""
 
     def __init__(self, texts: list[str]) -> None:
         self.texts = texts
@@ -92,6 +113,7 @@ class CloseVocab:
         string = [t.startswith('"') and (len(t) == 1 or _closes_levels(t[1:])) for t in texts] + pad
         level = [_closes_levels(t) for t in texts] + pad
         self.closing = {"string": pack_bitmask(torch.tensor(string)), "level": pack_bitmask(torch.tensor(level))}
+        self.commas = {where: pack_bitmask(torch.tensor([_starts_member(t, where == "value") for t in texts] + pad)) for where in ("value", "out")}
         self.scores = {where: np.array([_walk_score(t, where) for t in texts], dtype=np.int64) for where in ("out", "key", "value")}
 
     @classmethod
@@ -229,9 +251,23 @@ class JsonShape:
         need = self.open_count() if need is None else need
         if self.in_string and not self.string_is_key:
             return left <= need + _UTF8_TAIL + 1  # a character begun may need its tail first
-        if not self.in_string and self.levels and (self.levels[-1].after_member or self.in_scalar):
-            return left <= self.levels[-1].longest + need + 1  # no room for another member as long as the longest
+        if not self.in_string and not self.in_scalar and self.levels and self.levels[-1].after_member:
+            return self.no_room(left, need)
         return left <= need + MARGIN
+
+    def no_room(self, left: int, need: int) -> bool:
+        """Whether another member as long as the longest one so far would not fit in ``left``."""
+        return bool(self.levels) and left <= self.levels[-1].longest + need + 1
+
+    def choosing_key(self) -> bool:
+        """Where an object's next key is begun or due: which property comes is chosen here."""
+        if self.in_string:
+            return self.string_is_key
+        return not self.in_scalar and bool(self.levels) and self.levels[-1].kind == "{" and self.levels[-1].expect_key
+
+    def ending_member(self) -> bool:
+        """Inside a value string or a number in a container: its end may come with a comma."""
+        return bool(self.levels) and (self.in_scalar or (self.in_string and not self.string_is_key))
 
 
 class BudgetMatcher(Matcher):
@@ -300,8 +336,9 @@ class BudgetMatcher(Matcher):
         return cap
 
     def _tightness(self) -> str | None:
-        """None (go on), "closers" (narrow to the tokens that close the string or a level, where the
-        grammar allows one) or "token" (to the way out's one token)."""
+        """None (go on), "no comma" (leave out the tokens that end the member and start another),
+        "closers" (narrow to the tokens that close the string or a level, where the grammar allows
+        one) or "token" (to the way out's one token)."""
         n = len(self._accepted)
         if self._tight_at != n:
             left = self.budget - n
@@ -309,10 +346,12 @@ class BudgetMatcher(Matcher):
             self._tight_at = n
             if need is None:
                 self._tight = None
-            elif left <= need and self._way_out:
-                self._tight = "token"  # the budget is down to the way out: its one token
+            elif self._way_out and (left <= need or (self.shape.choosing_key() and self.shape.no_room(left, need))):
+                self._tight = "token"  # the budget is down to the way out (or has no room for an optional property): its one token
             elif self.shape.tight(left, need) or (self.shape.empty_container() and left <= self.member_need() + MARGIN):
                 self._tight = "closers"  # (an empty container whose first member could not be finished: close it)
+            elif self.shape.ending_member() and self.shape.no_room(left, need):
+                self._tight = "no comma"  # the member goes on, but no token may end it and start another
             else:
                 self._tight = None
         return self._tight
@@ -328,6 +367,10 @@ class BudgetMatcher(Matcher):
             only = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
             only[token] = True
             narrowed = pack_bitmask(only)
+        elif how == "no comma":
+            narrowed = bitmask[row] & ~self.vocab.commas["out" if self.shape.in_scalar else "value"][: bitmask.shape[1]]
+            if not bool(narrowed.any()):
+                return
         elif how == "closers":
             where = self.shape.where()
             narrowed = bitmask[row] & self.vocab.closing["string" if where == "value" else "level"][: bitmask.shape[1]]
