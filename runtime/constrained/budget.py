@@ -29,10 +29,11 @@ taken from (``cut_short``), the request reports ``finish_reason`` ``length`` alt
 whole, so that a client knows the content was shortened.
 
 Cost: the walk takes one grammar mask and one pass over the vocabulary's scores per token of the
-way out. It is taken again when the structure changes (a string, key, value or container opens
-or ends; not inside a long string or number), every ``REFRESH`` tokens, and at every token within
-``SLACK`` of the estimate; far from the end (more than twice the estimate plus ``2 * SLACK``
-tokens left) it stands for ``4 * REFRESH`` tokens.
+way out. It stands while the output takes the walk's own tokens; otherwise it is taken again
+when the structure changes (a string, key, value or container opens or ends; not inside a long
+string or number), every ``REFRESH`` tokens, and at every token within ``SLACK`` of the
+estimate; far from the end (more than twice the estimate plus ``2 * SLACK`` tokens left) it
+stands for ``4 * REFRESH`` tokens.
 """
 
 from __future__ import annotations
@@ -280,6 +281,8 @@ class BudgetMatcher(Matcher):
         self._need: int | None = None  # the last estimate of the tokens that finish the document
         self._need_at, self._need_structure = 0, None  # when it was taken, and the structure then
         self._way_out = False  # whether the walk that took it reached the document's end
+        self._path: list[int] | None = None  # the rest of that walk's tokens, while the output follows them
+        self._path_at = -1  # tokens accepted where the rest of the path begins
         self._acted_at: int | None = None  # tokens accepted when a mask was first narrowed
         self._tight_at, self._tight = -1, None  # _tightness() at that many tokens accepted
         self._member_need_at, self._member_need = -1, 0  # member_need() at that many tokens accepted
@@ -290,6 +293,11 @@ class BudgetMatcher(Matcher):
             return False
         self._accepted.append(token)
         self.shape.feed(self._text(token))
+        if self._path and self._path_at == len(self._accepted) - 1 and self._path[0] == token:
+            self._path.pop(0)  # the output follows the way out: the estimate holds, one token less
+            self._path_at, self._need = self._path_at + 1, max(0, (self._need or 0) - 1)
+        else:
+            self._path = None
         return True
 
     def _text(self, token: int) -> str:
@@ -299,14 +307,17 @@ class BudgetMatcher(Matcher):
         """The estimate of the fewest tokens that finish the document from here (see module doc)."""
         n, left = len(self._accepted), self.budget - len(self._accepted)
         floor = self.shape.open_count()
+        if self._path is not None and self._path_at == n:
+            return max(self._need, floor)  # still on the last walk's way out
         if self._need is not None:
             far = left > 2 * self._need + 2 * SLACK and n - self._need_at < 4 * REFRESH
             same = self.shape.structure() == self._need_structure and left > self._need + SLACK and n - self._need_at < REFRESH
             if far or same:
                 return max(self._need, floor)
-        cap = min(left + SLACK, MAX_WALK)
-        self._need, self._need_at, self._need_structure = self._walk_out(cap), n, self.shape.structure()
+        cap, path = min(left + SLACK, MAX_WALK), []
+        self._need, self._need_at, self._need_structure = self._walk_out(cap, path=path), n, self.shape.structure()
         self._way_out = self._need < cap
+        self._path, self._path_at = (path, n) if self._way_out else (None, -1)
         return max(self._need, floor)
 
     def member_need(self) -> int:
@@ -318,9 +329,10 @@ class BudgetMatcher(Matcher):
             self._member_need, self._member_need_at = self._walk_out(cap, open_first=True), n
         return self._member_need
 
-    def _walk_out(self, cap: int, open_first: bool = False) -> int:
+    def _walk_out(self, cap: int, open_first: bool = False, path: list[int] | None = None) -> int:
         """Tokens along the way out on a copy of the grammar until the document ends (``cap``
-        when it does not end within ``cap``); ``open_first``: its first token closes nothing."""
+        when it does not end within ``cap``); ``open_first``: its first token closes nothing;
+        ``path``, when given, receives the tokens."""
         sim, shape = self.inner.copy(), copy.deepcopy(self.shape)
         row = torch.zeros((1, bitmask_width(len(self.vocab.texts))), dtype=torch.int32)
         for steps in range(cap):
@@ -333,6 +345,8 @@ class BudgetMatcher(Matcher):
             if best is None or not sim.accept(best):
                 return steps if best is None else cap  # only an end token is left: the grammar ends here
             shape.feed(self._text(best))
+            if path is not None:
+                path.append(best)
         return cap
 
     def _tightness(self) -> str | None:
@@ -405,7 +419,7 @@ class BudgetMatcher(Matcher):
             self.shape = JsonShape()
             for token in self._accepted:
                 self.shape.feed(self._text(token))
-            self._need, self._tight_at, self._member_need_at = None, -1, -1
+            self._need, self._tight_at, self._member_need_at, self._path = None, -1, -1, None
             if self._acted_at is not None and self._acted_at >= len(self._accepted):
                 self._acted_at = None
 
@@ -419,6 +433,7 @@ class BudgetMatcher(Matcher):
         twin.shape, twin._accepted = copy.deepcopy(self.shape), list(self._accepted)
         twin._need, twin._need_at, twin._need_structure, twin._acted_at = self._need, self._need_at, self._need_structure, self._acted_at
         twin._tight_at, twin._tight, twin._way_out = self._tight_at, self._tight, self._way_out
+        twin._path, twin._path_at = (list(self._path) if self._path is not None else None), self._path_at
         return twin
 
     def error(self) -> str | None:
