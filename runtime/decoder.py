@@ -421,8 +421,8 @@ class Decoder:
 
     def _check_finish(self, req: Req, token: int | None) -> FinishReason | None:
         reason = self._finish_of(req, token)
-        if reason is not None and reason.type == "stop" and req.grammar is not None and req.grammar.cut_short():
-            return FinishReason("length", closed_within_budget=True)  # whole JSON, shortened to fit: the client is told
+        if reason is not None and reason.type == "stop" and not isinstance(reason.matched, str) and req.grammar is not None and req.grammar.cut_short():
+            return FinishReason("length", closed_within_budget=True)  # whole JSON, shortened to fit (a stop string is reported as it is)
         return reason
 
     def _finish_of(self, req: Req, token: int | None) -> FinishReason | None:
