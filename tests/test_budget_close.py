@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import jsonschema
 import numpy as np
@@ -15,6 +16,7 @@ from pydantic import BaseModel, Field
 
 import radixlm as sgl
 from helpers import grammar_backends, tokenizer_parts
+from radixlm.runtime.constrained import budget as budget_module
 from radixlm.runtime.constrained.base import Matcher, bitmask_width, pack_bitmask, unpack_bitmask
 from radixlm.runtime.constrained.budget import BudgetMatcher, CloseVocab, JsonShape
 from radixlm.runtime.sampling_params import SamplingParams
@@ -131,6 +133,21 @@ def test_budget_matcher_keeps_the_grammar_mask_when_it_allows_no_closer():
     for t in (6, 1, 0, 1, 8, 1):
         narrow.accept(t)
     assert _allowed(narrow) == {12}, "in a string a bracket is content, not a close; past the budget, the one way out"
+
+
+def test_the_walk_out_stops_at_its_time_bound_on_a_slow_grammar():
+    class Slow(_Free):
+        def fill_bitmask(self, bitmask, row):
+            time.sleep(0.01)
+            super().fill_bitmask(bitmask, row)
+
+        def copy(self):
+            return Slow(self.allowed)
+
+    m = BudgetMatcher(Slow(allowed={0}), CloseVocab(TEXTS), budget=200)  # 'a' forever: no way out
+    start = time.perf_counter()
+    assert m.need() == 200 + budget_module.SLACK and not m._way_out
+    assert time.perf_counter() - start < 1.0, "the walk gave up after WALK_SECONDS, not after 208 masks of 10 ms"
 
 
 def test_close_json_within_budget_is_a_checked_sampling_parameter():

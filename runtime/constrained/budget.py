@@ -29,7 +29,7 @@ taken from (``cut_short``), the request reports ``finish_reason`` ``length`` alt
 whole, so that a client knows the content was shortened.
 
 Cost: the walk takes one grammar mask and one pass over the vocabulary's scores per token of the
-way out. It stands while the output takes the walk's own tokens; otherwise it is taken again
+way out, for at most ``MAX_WALK`` tokens and ``WALK_SECONDS``. It stands while the output takes the walk's own tokens; otherwise it is taken again
 when the structure changes (a string, key, value or container opens or ends; not inside a long
 string or number), every ``REFRESH`` tokens, and at every token within ``SLACK`` of the
 estimate; far from the end (more than twice the estimate plus ``2 * SLACK`` tokens left) it
@@ -39,6 +39,7 @@ stands for ``4 * REFRESH`` tokens.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +54,7 @@ MARGIN = 2  # tokens to spare: narrowing to a class starts this many tokens befo
 SLACK = 8  # near the end (within this many tokens of the estimate) it is taken again at every token
 REFRESH = 16  # tokens after which the estimate is taken again even if the structure did not change
 MAX_WALK = 256  # the longest way out walked (a longer one counts as this long)
+WALK_SECONDS = 0.05  # the longest a walk may take: a hostile schema's slow masks must not stall the step (a usual walk takes 1-5 ms)
 _EXCLUDED = 1 << 30  # the score of a token the way out never takes (no text: special tokens)
 _RANK = 1000  # a rank's score step; within a rank, a longer text scores lower (is preferred)
 _PUNCTUATION = '{}[],:"'
@@ -331,13 +333,17 @@ class BudgetMatcher(Matcher):
 
     def _walk_out(self, cap: int, open_first: bool = False, path: list[int] | None = None) -> int:
         """Tokens along the way out on a copy of the grammar until the document ends (``cap``
-        when it does not end within ``cap``); ``open_first``: its first token closes nothing;
+        when it does not end within ``cap`` tokens or ``WALK_SECONDS``); ``open_first``: its first
+        token closes nothing;
         ``path``, when given, receives the tokens."""
         sim, shape = self.inner.copy(), copy.deepcopy(self.shape)
         row = torch.zeros((1, bitmask_width(len(self.vocab.texts))), dtype=torch.int32)
+        deadline = time.perf_counter() + WALK_SECONDS
         for steps in range(cap):
             if shape.done or sim.is_terminated():
                 return steps
+            if time.perf_counter() > deadline:
+                return cap  # not found in time: counted as no way out (the closers still apply)
             sim.fill_bitmask(row, 0)
             if open_first and steps == 0:
                 row[0] &= ~self.vocab.closing["level"][: row.shape[1]]
