@@ -212,9 +212,11 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be a list of non-negative integers")
         if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size {vocab_size}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_schema_strict", "close_json_within_budget"):
-            if not isinstance(getattr(self, name), bool) and not (name == "close_json_within_budget" and self.close_json_within_budget is None):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "json_schema_strict"):
+            if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.close_json_within_budget is not None and not isinstance(self.close_json_within_budget, bool):
+            raise ValueError(f"close_json_within_budget must be a boolean or null, got {self.close_json_within_budget!r}")
         if self.seed is not None and not (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         self._validate_extras(vocab_size)

@@ -333,9 +333,8 @@ class BudgetMatcher(Matcher):
 
     def _walk_out(self, cap: int, open_first: bool = False, path: list[int] | None = None) -> int:
         """Tokens along the way out on a copy of the grammar until the document ends (``cap``
-        when it does not end within ``cap`` tokens or ``WALK_SECONDS``); ``open_first``: its first
-        token closes nothing;
-        ``path``, when given, receives the tokens."""
+        when it does not end within ``cap`` tokens or ``WALK_SECONDS``). ``open_first``: its first
+        token closes nothing; ``path``, when given, receives the tokens."""
         sim, shape = self.inner.copy(), copy.deepcopy(self.shape)
         row = torch.zeros((1, bitmask_width(len(self.vocab.texts))), dtype=torch.int32)
         deadline = time.perf_counter() + WALK_SECONDS
@@ -384,9 +383,9 @@ class BudgetMatcher(Matcher):
             token = self.vocab.best(bitmask[row], self.shape.where())
             if token is None:
                 return
-            only = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
-            only[token] = True
-            narrowed = pack_bitmask(only)
+            bit = token % 32
+            narrowed = torch.zeros_like(bitmask[row])
+            narrowed[token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # the word's bit, as int32
         elif how == "no comma":
             narrowed = bitmask[row] & ~self.vocab.commas["out" if self.shape.in_scalar else "value"][: bitmask.shape[1]]
             if not bool(narrowed.any()):
@@ -395,7 +394,7 @@ class BudgetMatcher(Matcher):
             where = self.shape.where()
             narrowed = bitmask[row] & self.vocab.closing["string" if where == "value" else "level"][: bitmask.shape[1]]
             if where == "key" or not bool(narrowed.any()):  # nothing may close here (a key or a value must start): the shortest kind of start
-                narrowed = self.vocab.like_best(bitmask[row], self.shape.where())
+                narrowed = self.vocab.like_best(bitmask[row], where)
                 if narrowed is None:
                     return
         else:
