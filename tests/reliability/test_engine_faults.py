@@ -64,6 +64,22 @@ def test_a_grammar_fault_during_draft_verification_fails_only_that_request(engin
     assert engine.is_alive()
 
 
+def test_a_budget_closer_that_raises_fails_only_its_request(engine, monkeypatch):
+    from radixlm.runtime.constrained.budget import BudgetMatcher
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("walk broke")
+
+    monkeypatch.setattr(BudgetMatcher, "_walk_out", broken)  # only the JSON request has a budget closer
+    expected = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
+    bad, outs = _run_with_one_fault(engine, "none", {"json_schema": '{"type": "object"}', "max_new_tokens": 16, "temperature": 0})
+    reason = bad.meta_info["finish_reason"]
+    assert reason["type"] == "abort" and reason["status"] == 500 and "walk broke" in reason["message"], reason
+    assert [o["output_ids"] for o in outs] == expected
+    engine.check_accounting()
+    assert engine.generate("still serving", GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_non_finite_logits_are_never_cached(engine):
     prompt = "0123456789 abcdefghij unique prompt for nan"
     ids = engine.tokenize(prompt)
