@@ -57,6 +57,12 @@ from radixlm.runtime.stop_regex import StopRegexTooSlow
 logger = logging.getLogger(__name__)
 
 
+def _constraint_failure(req: Req) -> FinishReason | None:
+    """The abort of a request whose grammar failed (nothing valid can follow), or None."""
+    error = req.grammar.error() if req.grammar is not None else None
+    return None if error is None else FinishReason("abort", message=f"constraint failed: {error}")
+
+
 class SamplingFailed(RuntimeError):
     """A draft position's logits could not be sampled (the sampler said why)."""
 
@@ -132,6 +138,11 @@ class Decoder:
 
     @staticmethod
     def _fail(req: Req, failed: dict[Req, FinishReason], what: str, exc: Exception) -> None:
+        reason = _constraint_failure(req)
+        if reason is not None:  # the grammar left no token (its mask was empty): say why
+            logger.warning("request %s failed while %s: %s", req.rid, what, reason.message)
+            failed.setdefault(req, reason)
+            return
         if isinstance(exc, StopRegexTooSlow):  # the client's pattern: its message names stop_regex
             logger.warning("request %s failed while %s: %s", req.rid, what, exc)
             failed.setdefault(req, FinishReason.failure(str(exc), status=exc.status))
@@ -209,8 +220,9 @@ class Decoder:
         for i, req in enumerate(reqs):
             message = res.failure(i)
             if message is not None:
-                logger.error("request %s: %s", req.rid, message)
-                failed.setdefault(req, FinishReason.failure(message))
+                reason = _constraint_failure(req) or FinishReason.failure(message)
+                logger.error("request %s: %s", req.rid, reason.message)
+                failed.setdefault(req, reason)
 
     def _may_mask_lazily(self, req: Req) -> bool:
         """True when ``req``'s next token may be picked before its grammar mask (module doc)."""

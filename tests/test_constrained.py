@@ -163,13 +163,26 @@ def test_lark_and_gbnf_grammars_with_llguidance(backends, smol_tokenizer):
         ("regex", "(unclosed", "invalid regex"),
         ("json_schema", "{not json", "not valid JSON"),
         ("json_schema", '{"$ref": "#/$defs/missing"}', "missing"),
-        ("json_schema", '{"type": "object", "properties": {"a": {"not": {"type": "integer"}}}}', "'not' at /properties/a"),
+        ("json_schema", '{"type": "object", "properties": {"a": {"$dynamicRef": "#/$defs/x"}}}', "'$dynamicRef' at /properties/a"),
         ("json_schema", "[1, 2]", "JSON object"),
     ],
 )
 def test_bad_specs_are_refused_with_a_clear_error(name, kind, spec, message, backends):
     with pytest.raises(GrammarError, match=re.escape(message)):
         backends[name].compile(kind, spec)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_ref_to_a_plain_name_anchor_resolves_like_its_pointer(name, backends, smol_tokenizer):
+    """Draft 4's ``id: "#name"``, draft 6/7's ``$id`` and 2019's ``$anchor`` name a schema that
+    ``$ref: "#name"`` refers to."""
+    tok, vocab, ends = smol_tokenizer
+    for declare in ({"id": "#cap"}, {"$id": "#cap"}, {"$anchor": "cap"}):
+        schema = {"definitions": {"c": {**declare, "enum": [1, 7]}}, "type": "object", "properties": {"x": {"$ref": "#cap"}}, "required": ["x"], "additionalProperties": False}
+        spec = json.dumps(schema)
+        assert _walk(backends[name], tok, vocab, ends, "json_schema", spec, '{"x":7}')
+        assert not _walk(backends[name], tok, vocab, ends, "json_schema", spec, '{"x":"7"}')
+        assert not _walk(backends[name], tok, vocab, ends, "json_schema", spec, '{"x":12}')
 
 
 EXPLOSIVE = "(a|b)*a(a|b){11}"  # its DFA has 2^12 states: outlines-core builds them all

@@ -10,7 +10,16 @@ import torch
 
 from radixlm.runtime.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, Matcher
 from radixlm.runtime.constrained.schema_rewrite import rewrite_lark, rewrite_schema
+from radixlm.runtime.constrained.semantic import (
+    Relaxed,
+    SchemaChecker,
+    SemanticMatcher,
+    TokenBytes,
+    relax,
+    without_pattern_properties,
+)
 from radixlm.runtime.constrained.specs import (
+    anchors_to_pointers,
     check_finite,
     check_refs,
     check_regex_size,
@@ -21,6 +30,7 @@ from radixlm.runtime.constrained.specs import (
 )
 
 _UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+_NOT_DISJOINT = re.compile(r"patternProperty regexes .* are not disjoint", re.S)
 # The string formats llguidance enforces itself (others are rewritten or ignored: schema_rewrite.py).
 FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"})
 
@@ -152,8 +162,9 @@ class LLGuidanceGrammar(CompiledGrammar):
     poisoned template is rebuilt once, by whichever caller comes first.
     """
 
-    def __init__(self, template, build) -> None:
+    def __init__(self, template, build, checks: tuple[SchemaChecker, TokenBytes] | None = None) -> None:
         self._build = build
+        self.checks = checks  # keywords checked beside the grammar (semantic.py), or None
         self._template = template
         self._template.compute_bitmask()
         self._poisoned = False
@@ -171,8 +182,9 @@ class LLGuidanceGrammar(CompiledGrammar):
         with self._lock:
             self._poisoned = True
 
-    def matcher(self) -> LLGuidanceMatcher:
-        """A fresh matcher at the grammar's start, its first mask already computed once."""
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the grammar's start, its first mask already computed once (with
+        the schema's semantic checks around it, if it has any)."""
         with self._lock:
             if self._poisoned:
                 template = self._build()
@@ -181,6 +193,8 @@ class LLGuidanceGrammar(CompiledGrammar):
                 self.rebuilds += 1
             m = self._template.deep_copy()
         m.compute_bitmask()
+        if self.checks is not None:
+            return SemanticMatcher(LLGuidanceMatcher(m, self), *self.checks)
         return LLGuidanceMatcher(m, self)
 
 
@@ -195,27 +209,44 @@ class LLGuidanceBackend(GrammarBackend):
 
         self._LLMatcher = llguidance.LLMatcher
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=sorted(end_ids))
+        self._hf_tokenizer, self._vocab_size, self._end_ids = hf_tokenizer, vocab_size, set(end_ids)
+        self._token_bytes: TokenBytes | None = None
+        self._token_bytes_lock = threading.Lock()
         self.json_options = {"item_separator": ",", "key_separator": ":", "whitespace_flexible": False}
         if whitespace_pattern is not None:
             self.json_options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
 
-    def _grammar(self, kind: str, spec: str) -> tuple[str, object, list[str]]:
-        """The llguidance grammar of a spec, the schema it enforces (for error messages) and
-        the warnings about what it leaves out."""
+    def token_bytes(self) -> TokenBytes:
+        """Every token's bytes (for the semantic checks), read from the tokenizer once."""
+        with self._token_bytes_lock:
+            if self._token_bytes is None:
+                from radixlm.runtime.constrained.vocab import token_bytes
+
+                self._token_bytes = TokenBytes(token_bytes(self._hf_tokenizer), self._vocab_size, self._end_ids)
+            return self._token_bytes
+
+    def _grammar(self, kind: str, spec: str, overlapping: bool = False) -> tuple[str, object, list[str], SchemaChecker | None]:
+        """The llguidance grammar of a spec, the schema it enforces (for error messages), the
+        warnings about what it leaves out, and the checker of what the grammar was relaxed of.
+
+        ``overlapping``: also take ``patternProperties`` out of the grammar (checked beside it)."""
         LLMatcher = self._LLMatcher
         if kind == "regex":
             check_regex_size(spec)
-            return LLMatcher.grammar_from_regex(normalize_regex(spec)), None, []
+            return LLMatcher.grammar_from_regex(normalize_regex(spec)), None, [], None
         if kind == "json_schema":
-            schema = parse_json_schema(spec)
+            schema = anchors_to_pointers(parse_json_schema(spec))
             check_refs(schema)
             check_finite(schema)
             check_schema_patterns(schema)
             rewrite = rewrite_schema(schema, FORMATS)
+            relaxed: Relaxed = without_pattern_properties(rewrite.schema) if overlapping else relax(rewrite.schema)
+            checker = SchemaChecker(rewrite.schema, relaxed) if relaxed.taken else None
             try:
-                return LLMatcher.grammar_from_json_schema(json.dumps(rewrite.schema), overrides=dict(self.json_options)), rewrite.schema, rewrite.warnings
+                grammar = LLMatcher.grammar_from_json_schema(json.dumps(relaxed.schema), overrides=dict(self.json_options))
             except ValueError as exc:
                 raise GrammarError(f"json_schema: {exc}") from None
+            return grammar, rewrite.schema, rewrite.warnings, checker
         if kind == "ebnf":
             lark = spec
             if "::=" in spec:  # GBNF (llama.cpp / xgrammar style)
@@ -226,7 +257,7 @@ class LLGuidanceBackend(GrammarBackend):
                 except Exception as exc:
                     raise GrammarError(f"ebnf: cannot parse the GBNF grammar: {exc}") from None
             lark, warnings = rewrite_lark(lark, FORMATS)  # its %json lexemes get the schema rewrites
-            return LLMatcher.grammar_from_lark(lark), None, warnings
+            return LLMatcher.grammar_from_lark(lark), None, warnings, None
         raise GrammarError(f"unknown constraint kind {kind!r}")
 
     def compile(self, kind: str, spec: str, timeout: float | None = None) -> LLGuidanceGrammar:
@@ -236,14 +267,18 @@ class LLGuidanceBackend(GrammarBackend):
         library's first mask is an error, or empty) is refused here rather than at generation.
         ``timeout`` is not used: llguidance's own limits end its builds.
         """
-        grammar, schema, warnings = self._grammar(kind, spec)
+        grammar, schema, warnings, checker = self._grammar(kind, spec)
         is_error, messages = self._LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error and kind == "json_schema" and messages and _NOT_DISJOINT.search(messages[0]):
+            grammar, schema, warnings, checker = self._grammar(kind, spec, overlapping=True)
+            is_error, messages = self._LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             raise self._error(kind, messages[0] if messages else "invalid grammar", schema)
         template = self._LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise self._error(kind, template.get_error(), schema)
-        compiled = LLGuidanceGrammar(template, lambda: self._LLMatcher(self.tokenizer, grammar, log_level=0))
+        checks = None if checker is None else (checker, self.token_bytes())
+        compiled = LLGuidanceGrammar(template, lambda: self._LLMatcher(self.tokenizer, grammar, log_level=0), checks)
         if template.is_error() or not any(template.compute_bitmask()):
             reason = template.get_error().strip().splitlines()[0] if template.is_error() else "no token is allowed"
             raise GrammarError(f"{kind} can produce no output at all ({reason}): a rule or $ref that only refers to itself?")

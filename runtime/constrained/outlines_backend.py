@@ -20,8 +20,10 @@ from radixlm.runtime.constrained.base import (
     bitmask_width,
 )
 from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
+from radixlm.runtime.constrained.semantic import SchemaChecker, SemanticMatcher, TokenBytes, relax
 from radixlm.runtime.constrained.specs import (
     ANNOTATIONS,
+    anchors_to_pointers,
     check_finite,
     check_refs,
     check_regex_size,
@@ -190,14 +192,16 @@ def _split_utf8(data: bytes) -> tuple[str, bytes]:
 class OutlinesGrammar(CompiledGrammar):
     """A compiled outlines-core index and the character FSM of its regex."""
 
-    def __init__(self, index, token_text: dict[int, bytes], charfsm: CharFSM | None) -> None:
+    def __init__(self, index, token_text: dict[int, bytes], charfsm: CharFSM | None, checks: tuple[SchemaChecker, TokenBytes] | None = None) -> None:
         self._index, self._bytes, self._fsm = index, token_text, charfsm
+        self.checks = checks  # keywords checked beside the grammar (semantic.py), or None
 
-    def matcher(self) -> OutlinesMatcher:
-        """A guide at the start state."""
+    def matcher(self) -> Matcher:
+        """A guide at the start state (with the schema's semantic checks around it, if any)."""
         import outlines_core
 
-        return OutlinesMatcher(outlines_core.Guide(self._index, max_rollback=_MAX_ROLLBACK), self._bytes, self._fsm)
+        m = OutlinesMatcher(outlines_core.Guide(self._index, max_rollback=_MAX_ROLLBACK), self._bytes, self._fsm)
+        return m if self.checks is None else SemanticMatcher(m, *self.checks)
 
 
 class OutlinesBackend(GrammarBackend):
@@ -218,6 +222,7 @@ class OutlinesBackend(GrammarBackend):
         self.vocab_size = vocab_size
         eos = hf_tokenizer.eos_token_id if hf_tokenizer.eos_token_id is not None else min(end_ids)
         self._bytes = {t: b for t, b in token_bytes(hf_tokenizer).items() if t < vocab_size and t not in end_ids and b}
+        self._token_bytes = TokenBytes(self._bytes, vocab_size, set(end_ids))
         groups: dict[bytes, list[int]] = {}
         for tid, data in self._bytes.items():
             groups.setdefault(data, []).append(tid)
@@ -225,14 +230,21 @@ class OutlinesBackend(GrammarBackend):
         self.workers.warm()
         self.whitespace_pattern = whitespace_pattern if whitespace_pattern is not None else ""
 
-    def schema_regex(self, spec: str) -> tuple[str, list[str]]:
+    def token_bytes(self) -> TokenBytes:
+        """Every token's bytes, for the semantic checks."""
+        return self._token_bytes
+
+    def schema_regex(self, spec: str) -> tuple[str, list[str], SchemaChecker | None]:
         """The regex outlines-core builds for a JSON schema, after checking it is enforceable,
-        and the warnings about what it leaves out."""
-        schema = parse_json_schema(spec)
+        the warnings about what it leaves out, and the checker of the keywords it was relaxed
+        of (``semantic.py``)."""
+        schema = anchors_to_pointers(parse_json_schema(spec))
         check_refs(schema)
         check_finite(schema)
         rewrite = rewrite_schema(schema, FORMATS)
-        schema = rewrite.schema
+        relaxed = relax(rewrite.schema)
+        checker = SchemaChecker(rewrite.schema, relaxed) if relaxed.taken else None
+        schema = relaxed.schema
         bad = {k for k, _ in iter_keywords(schema) if k not in ENFORCED and k not in ANNOTATIONS}
         if _unknown_format(schema):
             bad.add("format")
@@ -242,7 +254,7 @@ class OutlinesBackend(GrammarBackend):
         if dropped:
             raise GrammarError(f"json_schema combines keywords the {self.name} backend would not all enforce: {'; '.join(dropped[:5])}")
         try:
-            return self._oc.json_schema.build_regex_from_schema(json.dumps(_prepared(schema)), self.whitespace_pattern), rewrite.warnings
+            return self._oc.json_schema.build_regex_from_schema(json.dumps(_prepared(schema)), self.whitespace_pattern), rewrite.warnings, checker
         except Exception as exc:
             raise GrammarError(f"json_schema: {exc}") from None
 
@@ -252,8 +264,9 @@ class OutlinesBackend(GrammarBackend):
         if kind == "ebnf":
             raise GrammarError("ebnf grammars need the llguidance backend (--grammar-backend llguidance)")
         warnings: list[str] = []
+        checker = None
         if kind == "json_schema":
-            regex, warnings = self.schema_regex(spec)
+            regex, warnings, checker = self.schema_regex(spec)
             check_regex_size(regex, "the regex of this json_schema")
         elif kind == "regex":
             check_regex_size(spec)
@@ -270,7 +283,8 @@ class OutlinesBackend(GrammarBackend):
         if status != "ok":
             raise GrammarError(f"invalid {kind}: {answer}")
         index, tables = answer
-        compiled = OutlinesGrammar(index, self._bytes, CharFSM(tables) if tables is not None else None)
+        checks = None if checker is None else (checker, self.token_bytes())
+        compiled = OutlinesGrammar(index, self._bytes, CharFSM(tables) if tables is not None else None, checks)
         bitmask = torch.zeros(1, bitmask_width(self.vocab_size), dtype=torch.int32)
         compiled.matcher().fill_bitmask(bitmask, 0)
         if not bool(bitmask.any()):

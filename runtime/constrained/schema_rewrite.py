@@ -10,7 +10,8 @@ forms they can, and strict generation (no undeclared properties).
   dropped and named in a warning rather than refusing the request.
 - ``oneOf`` whose branches are provably mutually exclusive (distinct types, disjoint
   ``const``/``enum`` values, a required property whose values are disjoint, a required key the
-  other branch forbids) is the same as ``anyOf``. Any other ``oneOf`` is refused.
+  other branch forbids) is the same as ``anyOf``. Any other ``oneOf`` is left as it is (the
+  llguidance backend checks it beside the grammar: ``semantic.py``).
 - ``dependentRequired``, ``dependentSchemas`` and ``dependencies`` become ``anyOf`` of "the key
   is absent" and "the key is present with what it brings".
 - ``not`` of a ``required`` list, of a ``type``, of ``const``/``enum`` over a finite domain (or of
@@ -189,12 +190,9 @@ class _Rewriter:
             raise GrammarError(f"json_schema: 'oneOf' at {path or '/'} has {len(branches)} branches: over {MAX_ONE_OF_BRANCHES}, their exclusivity is not checked")
         context = {k: node[k] for k in ("type", "required") if k in node}  # every branch's instance meets these too
         views = [[_within(v, context) for v in self._views(b)] for b in branches]
-        for (i, a), (j, b) in itertools.combinations(enumerate(views), 2):
+        for a, b in itertools.combinations(views, 2):
             if not any(self._disjoint_one(x, y) for x in a for y in b):
-                raise GrammarError(
-                    f"json_schema: 'oneOf' at {path or '/'}: branches {i} and {j} are not provably mutually exclusive "
-                    "(give them distinct types, const/enum discriminators, or required keys the other forbids; or use anyOf)"
-                )
+                return  # may overlap: left as it is (semantic.py checks "exactly one" beside the grammar)
         del node["oneOf"]
         if "anyOf" in node:
             _add_all_of(node, [{"anyOf": branches}])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Iterator
@@ -26,6 +27,35 @@ def parse_json_schema(spec: str | dict | bool) -> dict | bool:
         raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"json_schema must be a JSON object or boolean, got {type(schema).__name__}")
+    return schema
+
+
+def anchors_to_pointers(schema: Any) -> Any:
+    """``schema`` with each ``$ref`` to a plain-name anchor (``"#name"``, declared by
+    ``$anchor: "name"`` or by an ``$id``/draft-4 ``id`` of ``"#name"``) written as the JSON
+    pointer of the schema that declares it; a copy when anything changes, else ``schema``."""
+    anchors: dict[str, str] = {}
+    for key, path in iter_keywords(schema):
+        if key in ("$anchor", "$id", "id"):
+            value = _at(schema, path).get(key)
+            if not isinstance(value, str):
+                continue
+            if key == "$anchor":
+                anchors.setdefault(value, path)
+            elif value.startswith("#") and len(value) > 1 and "/" not in value:
+                anchors.setdefault(value[1:], path)
+    if not anchors:
+        return schema
+    refs = []
+    for key, path in iter_keywords(schema):
+        ref = _at(schema, path).get("$ref") if key == "$ref" else None
+        if isinstance(ref, str) and ref.startswith("#") and ref[1:] in anchors:
+            refs.append((path, anchors[ref[1:]]))
+    if not refs:
+        return schema
+    schema = copy.deepcopy(schema)
+    for path, target in refs:
+        _at(schema, path)["$ref"] = "#" + ("" if target == "/" else target)
     return schema
 
 

@@ -80,6 +80,23 @@ def test_a_budget_closer_that_raises_fails_only_its_request(engine, monkeypatch)
     assert engine.generate("still serving", GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_a_semantic_check_that_raises_fails_only_its_request(engine, monkeypatch):
+    from radixlm.runtime.constrained.semantic import JsonFollower
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("follower broke")
+
+    monkeypatch.setattr(JsonFollower, "_complete", broken)  # only the uniqueItems request has a follower
+    expected = [engine.generate(p, GREEDY)["output_ids"] for p in PROMPTS]
+    schema = '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}'
+    bad, outs = _run_with_one_fault(engine, "none", {"json_schema": schema, "max_new_tokens": 16, "temperature": 0})
+    reason = bad.meta_info["finish_reason"]
+    assert reason["type"] == "abort" and reason["status"] == 500 and "follower broke" in reason["message"], reason
+    assert [o["output_ids"] for o in outs] == expected
+    engine.check_accounting()
+    assert engine.generate("still serving", GREEDY)["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_non_finite_logits_are_never_cached(engine):
     prompt = "0123456789 abcdefghij unique prompt for nan"
     ids = engine.tokenize(prompt)
