@@ -38,7 +38,7 @@ from typing import Any
 
 from radixlm.runtime.constrained.base import GrammarError
 from radixlm.runtime.constrained.schema_strict import pointer as _pointer
-from radixlm.runtime.constrained.specs import resolve_pointer
+from radixlm.runtime.constrained.specs import in_force
 
 # Exact patterns for formats no backend knows natively (anchored: JSON Schema patterns search).
 FORMAT_PATTERNS = {
@@ -237,23 +237,9 @@ class _Rewriter:
         return depth < 4 and any(self._disjoint_one(x, y, depth) for x in self._views(a) for y in self._views(b))
 
     def _views(self, node: Any) -> list[Any]:
-        """``node`` and schemas every instance valid under it must also satisfy: its ``$ref``
-        target and ``allOf`` members, breadth first, at most MAX_VIEWS (a proof needs one view
-        that works; a hostile schema must not make this slow)."""
-        views, queue = [], [node]
-        while queue and len(views) < MAX_VIEWS:
-            view = queue.pop(0)
-            views.append(view)
-            if not isinstance(view, dict):
-                continue
-            ref = view.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#"):
-                target = resolve_pointer(self.root, ref[1:])
-                if target is not None:
-                    queue.append(target)
-            if isinstance(view.get("allOf"), list):
-                queue.extend(view["allOf"])
-        return views
+        """``node`` and schemas every instance valid under it must also satisfy (a proof needs
+        one view that works), at most MAX_VIEWS."""
+        return in_force(self.root, node, MAX_VIEWS)
 
     def _disjoint_one(self, a: Any, b: Any, depth: int = 0) -> bool:
         if a is False or b is False:

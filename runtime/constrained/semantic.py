@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from radixlm.runtime.constrained.base import Matcher, bitmask_width
-from radixlm.runtime.constrained.specs import resolve_pointer
+from radixlm.runtime.constrained.specs import in_force, resolve_pointer
 
 # The keywords taken out of the grammar's schema and checked here instead.
 RELAXED = (
@@ -151,7 +151,7 @@ def _relax(node: Any, out: Relaxed) -> Any:
             else:
                 new["anyOf"] = value  # a superset: the checker asks for exactly one
         out.taken.append((key, id(node)))
-    if isinstance(new.get("pattern"), str) and _LOOKAROUND.search(new["pattern"]):
+    if isinstance(new.get("pattern"), str) and _LOOKAROUND.search(new["pattern"]) and _compiles(new["pattern"]):
         wider = without_lookarounds(new["pattern"])
         if wider is None:
             del new["pattern"]
@@ -164,6 +164,15 @@ def _relax(node: Any, out: Relaxed) -> Any:
             del new[key]
             out.taken.append((key, id(node)))
     return new
+
+
+def _compiles(pattern: str) -> bool:
+    """True when ``pattern`` is a regex Python reads (one it cannot is left for the backend to refuse)."""
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
 
 
 def without_lookarounds(pattern: str) -> str | None:
@@ -210,11 +219,7 @@ def without_lookarounds(pattern: str) -> str | None:
             out.append(c)
             i += 1
     wider = "".join(out)
-    try:
-        re.compile(wider)
-    except re.error:
-        return None
-    return wider
+    return wider if _compiles(wider) else None
 
 
 def without_pattern_properties(schema: Any) -> Relaxed:
@@ -277,21 +282,7 @@ class SchemaChecker:
         key = id(node)
         got = self._closure.get(key)
         if got is None:
-            seen: dict[int, Any] = {}
-            stack = [node]
-            while stack and len(seen) < 64:
-                n = stack.pop()
-                if not isinstance(n, dict) or id(n) in seen:
-                    continue
-                seen[id(n)] = n
-                ref = n.get("$ref")
-                if isinstance(ref, str) and ref.startswith("#"):
-                    target = resolve_pointer(self.root, ref[1:])
-                    if target is not None:
-                        stack.append(target)
-                if isinstance(n.get("allOf"), list):
-                    stack.extend(reversed(n["allOf"]))
-            got = self._closure[key] = tuple(seen.values())
+            got = self._closure[key] = tuple(n for n in in_force(self.root, node, 64) if isinstance(n, dict))
         return got
 
     def children(self, nodes: tuple, key: str | int) -> tuple:

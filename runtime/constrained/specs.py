@@ -95,6 +95,30 @@ def resolve_pointer(schema: Any, pointer: str) -> Any:
     return None if node is _MISSING else node
 
 
+def in_force(root: Any, node: Any, limit: int) -> list[Any]:
+    """``node`` and the schemas every instance valid under it must also satisfy: its local
+    ``$ref`` target and ``allOf`` members, recursively, breadth first, each once, at most
+    ``limit`` (a hostile schema must not make this long)."""
+    found, queue, seen = [], [node], set()
+    while queue and len(found) < limit:
+        view = queue.pop(0)
+        if isinstance(view, dict):
+            if id(view) in seen:
+                continue
+            seen.add(id(view))
+        found.append(view)
+        if not isinstance(view, dict):
+            continue
+        ref = view.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = resolve_pointer(root, ref[1:])
+            if target is not None:
+                queue.append(target)
+        if isinstance(view.get("allOf"), list):
+            queue.extend(view["allOf"])
+    return found
+
+
 def iter_keywords(schema: Any, path: str = "") -> Iterator[tuple[str, str]]:
     """Every ``(keyword, JSON pointer of the schema holding it)`` in a schema, depth first.
 

@@ -113,7 +113,7 @@ def _value_cases() -> list[Case]:
         cases.append(_post("/generate", {"text": "x", "return_logprob": True, "top_logprobs_num": logprobs}))
         cases.append(_post("/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": logprobs}))
         cases.append(_post("/v1/chat/completions", {"messages": MSG, "max_tokens": 1, "logprobs": True, "top_logprobs": logprobs}))
-    for pattern in ("^a{1000000}$", "(a{1000}){1000}", "(?=a)b", "a{2,1}", "(unclosed", "\\"):
+    for pattern in ("^a{1000000}$", "(a{1000}){1000}", "(?<=a", "a{2,1}", "(unclosed", "\\"):
         cases.append(_post("/generate", _body("/generate", json_schema=json.dumps({"type": "string", "pattern": pattern}))))
         cases.append(_post("/v1/chat/completions", {"messages": MSG, "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string", "pattern": pattern}}}}))
         cases.append(_post("/generate", _body("/generate", regex=pattern)))
