@@ -334,3 +334,18 @@ def test_patterns_that_overlap_across_all_of_are_checked_beside_the_grammar(smol
     validator = jsonschema.Draft202012Validator(schema)
     for text in ['{"abcd":1}', '{"ab":1}', '{"bcde":1}', "{}"]:
         assert _accepts(grammar, smol, text) == validator.is_valid(json.loads(text)), text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("max_tokens", [16, 32, 64])
+def test_openai_response_format_with_checked_keywords_always_parses_and_validates(tiny_server, temperature, max_tokens):
+    """Over HTTP with the openai client: every choice is whole JSON valid under the schema,
+    with the budget closer and the checker both acting on the same mask."""
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="unused", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "colours", "schema": SET_OF_COLOURS}}
+    res = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Colours?"}], response_format=fmt, max_tokens=max_tokens, temperature=temperature, n=3, seed=11)
+    for choice in res.choices:
+        assert choice.finish_reason in ("stop", "length"), choice
+        jsonschema.validate(json.loads(choice.message.content), SET_OF_COLOURS)
