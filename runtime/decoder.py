@@ -59,7 +59,10 @@ logger = logging.getLogger(__name__)
 
 def _constraint_failure(req: Req) -> FinishReason | None:
     """The abort of a request whose grammar failed (nothing valid can follow), or None."""
-    error = req.grammar.error() if req.grammar is not None else None
+    try:
+        error = req.grammar.error() if req.grammar is not None else None
+    except Exception:  # a broken matcher: the caller reports the failure it has
+        return None
     return None if error is None else FinishReason("abort", message=f"constraint failed: {error}")
 
 

@@ -349,3 +349,19 @@ def test_openai_response_format_with_checked_keywords_always_parses_and_validate
     for choice in res.choices:
         assert choice.finish_reason in ("stop", "length"), choice
         jsonschema.validate(json.loads(choice.message.content), SET_OF_COLOURS)
+
+
+def test_a_long_unique_list_still_refuses_a_duplicate_from_far_back(smol):
+    """Past the items kept apart for cheap copies (``_Items.FOLD``), old items still count."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    grammar = smol[3].compile("json_schema", json.dumps(schema))
+    items = list(range(100))
+    assert _accepts(grammar, smol, json.dumps(items, separators=(",", ":")))
+    tok, vocab, ends, _ = smol
+    for again in (3, 97):  # refused at the item, not only when the list closes
+        m = grammar.matcher()
+        for t in tok.encode(json.dumps(items + [again], separators=(",", ":"))[:-1], add_special_tokens=False):
+            assert m.accept(t)
+        allowed = _allowed(m, vocab)
+        for after in (",", "]"):
+            assert not allowed[tok.encode(after, add_special_tokens=False)[0]], (again, after)

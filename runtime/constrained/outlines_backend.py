@@ -222,7 +222,8 @@ class OutlinesBackend(GrammarBackend):
         self.vocab_size = vocab_size
         eos = hf_tokenizer.eos_token_id if hf_tokenizer.eos_token_id is not None else min(end_ids)
         self._bytes = {t: b for t, b in token_bytes(hf_tokenizer).items() if t < vocab_size and t not in end_ids and b}
-        self._token_bytes = TokenBytes(self._bytes, vocab_size, set(end_ids))
+        self._end_ids = set(end_ids)
+        self._token_bytes: TokenBytes | None = None  # built on the first schema that needs checks
         groups: dict[bytes, list[int]] = {}
         for tid, data in self._bytes.items():
             groups.setdefault(data, []).append(tid)
@@ -231,7 +232,9 @@ class OutlinesBackend(GrammarBackend):
         self.whitespace_pattern = whitespace_pattern if whitespace_pattern is not None else ""
 
     def token_bytes(self) -> TokenBytes:
-        """Every token's bytes, for the semantic checks."""
+        """Every token's bytes, for the semantic checks (built once, on first use)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self._bytes, self.vocab_size, self._end_ids)
         return self._token_bytes
 
     def schema_regex(self, spec: str) -> tuple[str, list[str], SchemaChecker | None]:

@@ -428,7 +428,7 @@ class SchemaChecker:
                 return False
         return True
 
-    def exhausted(self, seen: set, nodes: tuple) -> bool:
+    def exhausted(self, seen: _Items, nodes: tuple) -> bool:
         """True when an item ``nodes`` apply to can only take values already ``seen`` (an
         ``enum``, ``const`` or boolean item of a ``uniqueItems`` list)."""
         for n in nodes:
@@ -440,7 +440,7 @@ class SchemaChecker:
                 values = [True, False]
             else:
                 continue
-            if {canonical(v) for v in values} <= seen:
+            if all(canonical(v) in seen for v in values):
                 return True
         return False
 
@@ -467,6 +467,27 @@ _LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 _OUT, _STRING, _NUMBER, _LITERAL = 0, 1, 2, 3
 
 
+class _Items:
+    """The items of a list under ``uniqueItems`` (canonical texts): a shared frozen part and the
+    few added since, so that a copy per simulated token costs little however long the list."""
+
+    FOLD = 32
+
+    def __init__(self, frozen: frozenset = frozenset(), fresh: set | None = None) -> None:
+        self.frozen, self.fresh = frozen, fresh if fresh is not None else set()
+
+    def __contains__(self, item: str) -> bool:
+        return item in self.fresh or item in self.frozen
+
+    def add(self, item: str) -> None:
+        self.fresh.add(item)
+        if len(self.fresh) >= self.FOLD:
+            self.frozen, self.fresh = self.frozen | self.fresh, set()
+
+    def copy(self) -> _Items:
+        return _Items(self.frozen, set(self.fresh))
+
+
 @dataclass
 class _Frame:
     """An open array or object."""
@@ -476,10 +497,10 @@ class _Frame:
     start: int  # offset of its opening bracket
     count: int = 0  # members completed (objects: keys taken)
     key: str | None = None  # objects: the key whose value comes next
-    seen: set | None = None  # arrays under uniqueItems: the items so far, canonical
+    seen: _Items | None = None  # arrays under uniqueItems: the items so far
 
     def copy(self) -> _Frame:
-        return _Frame(self.is_object, self.nodes, self.start, self.count, self.key, None if self.seen is None else set(self.seen))
+        return _Frame(self.is_object, self.nodes, self.start, self.count, self.key, None if self.seen is None else self.seen.copy())
 
 
 class _Invalid(Exception):
@@ -570,7 +591,7 @@ class JsonFollower:
             self.frames.append(top)
             self._owned.add(id(top))
             if not top.is_object and any(n.get("uniqueItems") is True for n in top.nodes):
-                top.seen = set()
+                top.seen = _Items()
         elif c == 0x7D or c == 0x5D:  # } ]
             frame = self.frames.pop()
             self.nodes = frame.nodes
@@ -692,7 +713,8 @@ class SemanticMatcher(Matcher):
     """A grammar matcher with the relaxed keywords checked on the values it completes.
 
     Where the grammar leaves few tokens (at most ``LOOKAHEAD_MAX``: an enum, a bounded number,
-    the end of a required key), each is also followed along the text the grammar then forces
+    the end of a required key) and a check is near (``_hot``), each is also followed along the
+    text the grammar then forces
     (``forced_text``), and refused when that text completes an invalid value: a list of enum
     values under ``uniqueItems`` is not let into the one item it cannot finish. Since that
     depends on the mask, ``accept`` decides from the mask of its state (computed once per state).
