@@ -365,3 +365,20 @@ def test_a_long_unique_list_still_refuses_a_duplicate_from_far_back(smol):
         allowed = _allowed(m, vocab)
         for after in (",", "]"):
             assert not allowed[tok.encode(after, add_special_tokens=False)[0]], (again, after)
+
+
+def test_a_catastrophic_pattern_is_cut_short_and_fails_its_request_not_the_engine(smol):
+    """``^(a|aa)+$`` on a run of a's and a b backtracks for minutes; the checker's searches stop
+    at REGEX_SECONDS, and the matcher (and every later one of this compiled schema) fails closed
+    with the pattern named."""
+    tok, vocab, ends, backend = smol
+    schema = {"type": "string", "maxLength": 60, "not": {"pattern": "^(a|aa)+$"}}
+    grammar = backend.compile("json_schema", json.dumps(schema))
+    m = grammar.matcher()
+    for t in tok.encode('"' + "a" * 40 + "b", add_special_tokens=False):
+        if not _allowed(m, vocab).any():
+            break
+        assert m.accept(t)
+    assert not _allowed(m, vocab).any()
+    assert "took over" in m.error() and "(a|aa)" in m.error()
+    assert not _allowed(grammar.matcher(), vocab).any() and "took over" in grammar.matcher().error()

@@ -40,10 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import regex
 import torch
+from jsonschema import ValidationError
 
-from radixlm.runtime.constrained.base import Matcher, bitmask_width
-from radixlm.runtime.constrained.specs import in_force, resolve_pointer
+from radixlm.runtime.constrained.base import GrammarError, Matcher, bitmask_width
+from radixlm.runtime.constrained.specs import in_force, iter_keywords, resolve_pointer
 
 # The keywords taken out of the grammar's schema and checked here instead.
 RELAXED = (
@@ -250,22 +252,75 @@ def without_pattern_properties(schema: Any) -> Relaxed:
 
 
 # ------------------------------------------------------------------ checking
+REGEX_SECONDS = 0.05  # one pattern search on the output; past it the value is refused (fail closed)
+
+
+class RegexTooSlow(Exception):
+    """A schema pattern took longer than REGEX_SECONDS on a value (catastrophic backtracking)."""
+
+
+def search(pattern: str, text: str) -> bool:
+    """``re.search`` semantics with a time limit: a hostile pattern cannot stall the engine."""
+    try:
+        return regex.search(pattern, text, timeout=REGEX_SECONDS) is not None
+    except TimeoutError:
+        raise RegexTooSlow(pattern) from None
+
+
+def _pattern(validator, pattern: str, instance: Any, schema: dict):
+    if validator.is_type(instance, "string") and not search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(validator, patterns: dict, instance: Any, schema: dict):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(validator, extra: Any, instance: Any, schema: dict):
+    if not validator.is_type(instance, "object"):
+        return
+    declared, patterns = schema.get("properties", {}), list(schema.get("patternProperties", {}))
+    extras = [k for k in instance if k not in declared and not any(search(p, k) for p in patterns)]
+    if validator.is_type(extra, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], extra, path=key)
+    elif not extra and extras:
+        yield ValidationError(f"additional properties {sorted(extras)!r} are not allowed")
+
+
+def _time_limited(root: Any):
+    """A jsonschema validator of ``root`` whose pattern keywords search with a time limit.
+
+    ``unevaluatedProperties`` still matches ``patternProperties`` keys with Python's ``re`` inside
+    jsonschema: a schema holding both is refused (GrammarError)."""
+    from jsonschema import validators
+
+    keywords = {k for k, _ in iter_keywords(root)}
+    if "unevaluatedProperties" in keywords and "patternProperties" in keywords:
+        raise GrammarError("json_schema: 'unevaluatedProperties' beside 'patternProperties' is not supported (their patterns could not be time-limited)")
+    base = validators.validator_for(root if isinstance(root, dict) else {})
+    return validators.extend(base, {"pattern": _pattern, "patternProperties": _pattern_properties, "additionalProperties": _additional_properties})(root)
+
+
 class SchemaChecker:
     """Which schemas apply where in a document, and whether a completed value satisfies them."""
 
     def __init__(self, root: Any, relaxed: Relaxed) -> None:
-        from jsonschema.validators import validator_for
-
         self.root = root
         self.taken = relaxed.taken
         self._relaxed = relaxed.relaxed_ids
-        self._validator = validator_for(root if isinstance(root, dict) else {})(root)
+        self._validator = _time_limited(root)
+        self.too_slow: str | None = None  # why a pattern search was cut short; every matcher then fails
         self._holds: dict[int, bool] = {}
         self._needs: dict[int, bool] = {}
         self._closure: dict[int, tuple] = {}
         self._children: dict[tuple, tuple] = {}
         self._results: OrderedDict[tuple[int, bytes], bool] = OrderedDict()
-        self._patterns: dict[str, re.Pattern | None] = {}
         self.validations = 0
 
     def describe(self) -> str:
@@ -313,10 +368,14 @@ class SchemaChecker:
             pp = n.get("patternProperties")
             if isinstance(pp, dict):
                 for pattern, sub in pp.items():
-                    rx = self._pattern(pattern)
-                    if rx is None:
-                        return out  # a pattern Python cannot read: whether additionalProperties applies is unknown
-                    if rx.search(key):
+                    try:
+                        hit = search(pattern, key)
+                    except RegexTooSlow:
+                        self._slow(pattern)
+                        return out
+                    except regex.error:
+                        return out  # whether additionalProperties applies is unknown: the ancestors' checks decide
+                    if hit:
                         out.append(sub)
                         matched = True
             if not out and not matched and isinstance(n.get("additionalProperties"), dict):
@@ -334,14 +393,6 @@ class SchemaChecker:
             extra = n.get("additionalItems")
             return [extra] if isinstance(extra, dict) else []
         return [items] if isinstance(items, dict) else []
-
-    def _pattern(self, pattern: str) -> re.Pattern | None:
-        if pattern not in self._patterns:
-            try:
-                self._patterns[pattern] = re.compile(pattern)
-            except re.error:
-                self._patterns[pattern] = None
-        return self._patterns[pattern]
 
     # -- which need a check
     def needs_check(self, node: Any) -> bool:
@@ -410,12 +461,18 @@ class SchemaChecker:
             self.validations += 1
             try:
                 got = self._validator.evolve(schema=node).is_valid(value)
+            except RegexTooSlow as exc:
+                self._slow(str(exc))
+                return False
             except Exception:
-                got = False  # a schema jsonschema cannot evaluate: fail closed
+                got = False  # a schema jsonschema cannot evaluate, or a pattern too slow: fail closed
             self._results[key] = got
             if len(self._results) > _CACHE_SIZE:
                 self._results.popitem(last=False)
         return got
+
+    def _slow(self, pattern: str) -> None:
+        self.too_slow = f"the JSON schema's pattern {pattern[:80]!r} took over {REGEX_SECONDS * 1000:g} ms on the output (catastrophic backtracking?)"
 
     def key_ok(self, nodes: tuple, name: str, count: int) -> bool:
         """True when an object ``nodes`` apply to may take a key ``name`` as its ``count``-th."""
@@ -808,6 +865,8 @@ class SemanticMatcher(Matcher):
         """The grammar's mask without the tokens that would complete an invalid value."""
         self.inner.fill_bitmask(bitmask, row)
         words = bitmask[row].numpy().view(np.uint32)
+        if self._dead is None and self.checker.too_slow is not None:
+            self._dead = self.checker.too_slow
         if self._dead is not None:
             words[:] = 0
         elif self.inner.error() is None:
@@ -824,10 +883,18 @@ class SemanticMatcher(Matcher):
                 if self.follower.mode == _STRING and not self._string_checked():
                     candidates = candidates[~self.vocab.closes_string_only[self.follower.escape][candidates]]
             completing = self.vocab.may_complete[self.follower.mode]
-            refused = [t for t in candidates.tolist() if (t in self.vocab.end_ids or t in self.vocab.pieces) and self._refused(t, bool(completing[t]), look_ahead)]
+            refused = []
+            for t in candidates.tolist():
+                if self.checker.too_slow is not None:
+                    break
+                if (t in self.vocab.end_ids or t in self.vocab.pieces) and self._refused(t, bool(completing[t]), look_ahead):
+                    refused.append(t)
             for t in refused:
                 words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-            if refused and not words.any():
+            if self.checker.too_slow is not None:
+                self._dead = self.checker.too_slow
+                words[:] = 0
+            elif refused and not words.any():
                 self._dead = f"no continuation keeps the output valid under the JSON schema's {self.checker.describe()}"
         self._mask_at, self._mask = len(self._tokens), words.copy()
 
@@ -868,8 +935,8 @@ class SemanticMatcher(Matcher):
         return twin
 
     def error(self) -> str | None:
-        """The grammar's error, or why no token is left."""
-        return self.inner.error() or self._dead
+        """The grammar's error, or why no token is left (a pattern too slow ends every matcher of the schema)."""
+        return self.inner.error() or self._dead or self.checker.too_slow
 
     def mask_needed(self) -> bool:
         """True: what this matcher takes depends on its mask (``accept`` computes it anyway)."""
