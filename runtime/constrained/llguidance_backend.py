@@ -16,7 +16,6 @@ from radixlm.runtime.constrained.semantic import (
     SemanticMatcher,
     TokenBytes,
     relax,
-    without_pattern_properties,
 )
 from radixlm.runtime.constrained.specs import (
     anchors_to_pointers,
@@ -240,7 +239,7 @@ class LLGuidanceBackend(GrammarBackend):
             check_finite(schema)
             check_schema_patterns(schema)
             rewrite = rewrite_schema(schema, FORMATS)
-            relaxed: Relaxed = without_pattern_properties(rewrite.schema) if overlapping else relax(rewrite.schema)
+            relaxed: Relaxed = relax(rewrite.schema, pattern_properties=overlapping)
             checker = SchemaChecker(rewrite.schema, relaxed) if relaxed.taken else None
             try:
                 grammar = LLMatcher.grammar_from_json_schema(json.dumps(relaxed.schema), overrides=dict(self.json_options))

@@ -75,14 +75,19 @@ class Relaxed:
         return {i for _, i in self.taken}
 
 
-def relax(schema: Any) -> Relaxed:
+def relax(schema: Any, pattern_properties: bool = False) -> Relaxed:
     """``schema`` without the keywords a grammar cannot enforce (``RELAXED``, lookaround in
     patterns, integer bounds past 64 bits), as a new object; the original is left untouched
-    (``SchemaChecker`` walks it)."""
+    (``SchemaChecker`` walks it).
+
+    ``pattern_properties``: also let every object schema with ``patternProperties`` take any
+    extra key with any value (its ``patternProperties`` and ``additionalProperties`` checked
+    here instead), for patterns a grammar refuses because they overlap (within one schema or
+    across ``allOf``)."""
     out = Relaxed(None)
-    out.schema = _relax(schema, out)
+    out.schema = _relax(schema, out, pattern_properties)
     # $ref targets outside the places schemas are walked (e.g. "#/ddd/x") are relaxed where they sit
-    pending, done = _refs(out.schema, set()), set()
+    pending, done = _refs(out.schema), set()
     while pending:
         ref = pending.pop()
         if ref in done:
@@ -90,28 +95,16 @@ def relax(schema: Any) -> Relaxed:
         done.add(ref)
         target = resolve_pointer(schema, ref[1:])
         if isinstance(target, dict) and resolve_pointer(out.schema, ref[1:]) is target:
-            relaxed = _relax(target, out)
+            relaxed = _relax(target, out, pattern_properties)
             out.schema = _put(out.schema, [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p], relaxed)
-            pending += _refs(relaxed, set())
+            pending += _refs(relaxed)
     return out
 
 
-def _refs(node: Any, seen: set[int]) -> list[str]:
+def _refs(node: Any) -> list[str]:
     """The local ``$ref`` strings in the schema positions of ``node``."""
-    if not isinstance(node, dict) or id(node) in seen:
-        return []
-    seen.add(id(node))
-    found = [node["$ref"]] if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/") else []
-    for key, value in node.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
-            for child in value.values():
-                found += _refs(child, seen)
-        elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list):
-            for child in value:
-                found += _refs(child, seen)
-        elif key in _SCHEMA_VALUES or key == "items":
-            found += _refs(value, seen)
-    return found
+    refs = (resolve_pointer(node, path).get("$ref") for key, path in iter_keywords(node) if key == "$ref")
+    return [ref for ref in refs if isinstance(ref, str) and ref.startswith("#/")]
 
 
 def _put(root: Any, parts: list[str], value: Any) -> Any:
@@ -128,17 +121,17 @@ def _put(root: Any, parts: list[str], value: Any) -> Any:
     return copy_
 
 
-def _relax(node: Any, out: Relaxed) -> Any:
+def _relax(node: Any, out: Relaxed, pattern_properties: bool) -> Any:
     if not isinstance(node, dict):
         return node
     new: dict[str, Any] = {}
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            new[key] = {name: _relax(child, out) for name, child in value.items()}
+            new[key] = {name: _relax(child, out, pattern_properties) for name, child in value.items()}
         elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list):
-            new[key] = [_relax(child, out) for child in value]
+            new[key] = [_relax(child, out, pattern_properties) for child in value]
         elif key in _SCHEMA_VALUES or key == "items":
-            new[key] = _relax(value, out)
+            new[key] = _relax(value, out, pattern_properties)
         else:
             new[key] = value
     for key in RELAXED:
@@ -165,6 +158,10 @@ def _relax(node: Any, out: Relaxed) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= _INT64:
             del new[key]
             out.taken.append((key, id(node)))
+    if pattern_properties and "patternProperties" in new:
+        del new["patternProperties"]
+        new.pop("additionalProperties", None)
+        out.taken.append(("patternProperties", id(node)))
     return new
 
 
@@ -222,33 +219,6 @@ def without_lookarounds(pattern: str) -> str | None:
             i += 1
     wider = "".join(out)
     return wider if _compiles(wider) else None
-
-
-def without_pattern_properties(schema: Any) -> Relaxed:
-    """``relax`` plus: every object schema with ``patternProperties`` takes any extra key with
-    any value (its ``patternProperties`` and ``additionalProperties`` checked here instead), for
-    patterns a grammar refuses because they overlap (within one schema or across ``allOf``)."""
-    out = relax(schema)
-
-    def widen(node: Any, orig: Any) -> None:
-        if not isinstance(node, dict) or not isinstance(orig, dict):
-            return
-        for key, value in node.items():
-            if key in _SCHEMA_MAPS and isinstance(value, dict) and isinstance(orig.get(key), dict):
-                for name in value:
-                    widen(value[name], orig[key].get(name))
-            elif (key in _SCHEMA_LISTS or key == "items") and isinstance(value, list) and isinstance(orig.get(key), list):
-                for a, b in zip(value, orig[key]):
-                    widen(a, b)
-            elif key in _SCHEMA_VALUES or key == "items":
-                widen(value, orig.get(key))
-        if "patternProperties" in node:
-            del node["patternProperties"]
-            node.pop("additionalProperties", None)
-            out.taken.append(("patternProperties", id(orig)))
-
-    widen(out.schema, schema)
-    return out
 
 
 # ------------------------------------------------------------------ checking
@@ -609,7 +579,8 @@ class JsonFollower:
             self._complete(len(self.text))
             self.mode = _OUT
 
-    def _member_nodes(self) -> tuple:
+    def member_nodes(self) -> tuple:
+        """The schemas of the value that starts next here (none where a key comes first)."""
         if not self.frames:
             return self.checker.root_nodes()
         top = self.frames[-1]
@@ -644,7 +615,7 @@ class JsonFollower:
         if c in _WS or self.done:
             return
         if c == 0x7B or c == 0x5B:  # { [
-            top = _Frame(c == 0x7B, self._member_nodes(), i)
+            top = _Frame(c == 0x7B, self.member_nodes(), i)
             self.frames.append(top)
             self._owned.add(id(top))
             if not top.is_object and any(n.get("uniqueItems") is True for n in top.nodes):
@@ -659,7 +630,7 @@ class JsonFollower:
             self.is_key = top is not None and top.is_object and top.key is None
             self.mode, self.start, self.escape = _STRING, i, False
             if not self.is_key:
-                self.nodes = self._member_nodes()
+                self.nodes = self.member_nodes()
         elif c == 0x2C:  # ,
             top = self._top()
             if top.is_object:
@@ -667,7 +638,7 @@ class JsonFollower:
             elif top.seen is not None and self.checker.exhausted(top.seen, self.checker.children(top.nodes, top.count)):
                 raise _Invalid  # every value the next item may take is in the list already
         elif c != 0x3A:  # : aside, a number or a literal starts
-            self.start, self.nodes = i, self._member_nodes()
+            self.start, self.nodes = i, self.member_nodes()
             self.mode = _LITERAL if c in _LITERALS else _NUMBER
 
     def _take_key(self, end: int) -> None:
@@ -838,7 +809,7 @@ class SemanticMatcher(Matcher):
             return True
         if any(checker.checks_members(frame.nodes) for frame in f.frames[-2:]):
             return True
-        return f.mode == _OUT and not f.done and checker.checks_members(f._member_nodes())
+        return f.mode == _OUT and not f.done and checker.checks_members(f.member_nodes())
 
     def _allowed_words(self) -> np.ndarray:
         """This state's mask words (uint32), computed once per state."""
