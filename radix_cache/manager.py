@@ -154,7 +154,7 @@ class KVManager:
         kept = self.tree.insert(tokens[: found.end], torch.cat([prefix_slots, slots]), tier=max(loaded, key=loaded.get))
         if kept > start:  # the tree held part of it after all: those slots are duplicates
             self.allocator.free_slots(slots[: kept - start])
-        result = self.tree.match_prefix(tokens[: found.end])
+        result = self.tree.match_prefix(tokens[: found.end], whole_kv=True)
         return result.slots, result.last_node, loaded
 
     def admit(self, prefix_slots: torch.Tensor, last_node: TreeNode, origin: Origin | None = None) -> KVState | None:
@@ -168,6 +168,8 @@ class KVManager:
         self.tree.inc_lock_ref(last_node)
         n = len(prefix_slots)
         self.table.write(row, 0, prefix_slots)
+        if n and self.tree.snapshots is not None:  # a hybrid model resumes its linear layers from the match's snapshot
+            self.tree.snapshots.restore(last_node, row, n)
         return KVState(row=row, last_node=last_node, cached_len=n, kv_len=n, alloc_len=n, origin=origin)
 
     def reserve(self, state: KVState, new_len: int) -> bool:
@@ -235,7 +237,7 @@ class KVManager:
         present = self.tree.insert(tokens[:aligned], row_slots, state.origin)
         if present > state.cached_len:
             self.allocator.free_slots(row_slots[state.cached_len : present].clone())
-        result = self.tree.match_prefix(tokens[:aligned])
+        result = self.tree.match_prefix(tokens[:aligned], whole_kv=True)
         self.table.write(state.row, 0, result.slots)
         self.tree.inc_lock_ref(result.last_node)
         self.tree.dec_lock_ref(state.last_node)
@@ -249,11 +251,34 @@ class KVManager:
         """
         if tokens is not None:
             self.cache_prefix(state, tokens)
+            snapshots = self.tree.snapshots
+            if snapshots is not None and state.cached_len and not state.dropped_len:  # where its KV in the tree ends, if the state there is known
+                snapshots.take_row(state.last_node, state.row, state.cached_len)
         if state.alloc_len > state.held_from:
             self.allocator.free_slots(self.table.read(state.row, state.held_from, state.alloc_len).clone())
         self.tree.dec_lock_ref(state.last_node)
         self.table.free(state.row)
         state.alloc_len = state.kv_len = state.cached_len = state.dropped_len = 0
+
+    def snapshot_points(self, tokens: Sequence[int], max_len: int, cached: int) -> list[int]:
+        """Where a hybrid model's prompt should leave state snapshots (past its ``cached`` match):
+        where its KV match ends, when that is past the deepest snapshot (a prefix other prompts
+        share), and the deepest page boundary within ``max_len`` (where an identical prompt's
+        match ends)."""
+        if self.tree.snapshots is None or self.tree.disable:
+            return []
+        shared = self.tree.match_prefix(tokens[: max(max_len, 0)], whole_kv=True).length
+        last = max(max_len, 0) // self.page_size * self.page_size
+        return sorted({p for p in (shared, last) if p > cached})
+
+    def take_snapshots(self, state: KVState, tokens: Sequence[int], marks: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Hand a running request's marked states (``(position, conv, state)``) to the tree nodes
+        ending at those positions, where its KV up to them is in the tree."""
+        for position, conv, states in marks:
+            if position > state.cached_len or state.dropped_len:
+                continue
+            node = self.tree.match_prefix(tokens[:position], whole_kv=True).last_node  # splits an edge to end exactly there
+            self.tree.snapshots.take(node, conv, states)
 
     def flush(self) -> None:
         """Drop the whole radix cache and the host tier (only when no request holds a lock); the disk tier stays."""

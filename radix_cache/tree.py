@@ -29,10 +29,14 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixlm.radix_cache.origin import EvictionLog, Origin, path_key
+
+if TYPE_CHECKING:
+    from radixlm.radix_cache.state_snapshots import StateSnapshots
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -51,6 +55,7 @@ class TreeNode:
     reuse: int = 0  # requests that matched through this node since it was computed
     protect_until: float = 0.0  # time.monotonic() until which a retention hint holds
     tier: str | None = None  # host or disk: the lower tier its KV was loaded back from (None: computed here)
+    snapshot: int | None = None  # hybrid models: the StateSnapshots slot of the linear-attention states after this edge
 
     def is_leaf(self) -> bool:
         """True when no edge leaves this node."""
@@ -93,11 +98,15 @@ class RadixCache:
         self._hinted = False  # set by the first ``protect``: until then matches skip the hint walk
         self._clock = itertools.count(1)
         self.on_evict: Callable[[TreeNode], None] | None = None  # sees a leaf before its slots are freed
+        # hybrid models: matches stop at the deepest node holding a state snapshot (radix_cache/state_snapshots.py)
+        self.snapshots: StateSnapshots | None = None
         self.reset()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Drop every node (the caller must have freed their slots) and zero the counters."""
+        if getattr(self, "snapshots", None) is not None:
+            self.snapshots.clear()
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
         self._evictable = 0
@@ -158,17 +167,20 @@ class RadixCache:
         return upper
 
     # --------------------------------------------------------------- queries
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], whole_kv: bool = False) -> MatchResult:
         """Find the longest cached, page-aligned prefix of ``tokens``.
 
         Splits an edge when the match ends inside it, so ``last_node`` ends exactly at the
         match and can be locked. Touches the path for LRU. Does not count toward the hit rate:
-        callers report admitted queries with ``record``.
+        callers report admitted queries with ``record``. With state ``snapshots`` (hybrid
+        models) the match ends at the deepest node holding one, unless ``whole_kv`` asks how far
+        the KV alone goes.
         """
         if self.disable or not tokens:
             return MatchResult(_EMPTY, self.root)
         tokens = tokens[: self._aligned(len(tokens))]
         node, pos, parts = self.root, 0, []
+        resumable = (node, 0)  # the deepest node so far a request can start after, and its parts
         now = next(self._clock)
         node.last_access = now
         while pos < len(tokens):
@@ -183,6 +195,10 @@ class RadixCache:
             child.last_access = now
             parts.append(child.value)
             node, pos = child, pos + common
+            if child.snapshot is not None:
+                resumable = (node, len(parts))
+        if self.snapshots is not None and not whole_kv:
+            node, parts = resumable[0], parts[: resumable[1]]
         slots = torch.cat(parts) if parts else _EMPTY
         return MatchResult(slots, node)
 
@@ -315,6 +331,8 @@ class RadixCache:
                 self.evictions.record(path_key(path, start + self.page_size), len(path))
             if demote and self.on_evict is not None:
                 self.on_evict(leaf)
+            if self.snapshots is not None:
+                self.snapshots.free(leaf)
             self._free_slots(leaf.value)
             freed += len(leaf.key)
             self._evictable -= len(leaf.key)
@@ -367,6 +385,10 @@ class RadixCache:
         assert protected == self._protected, f"protected {self._protected} != counted {protected}"
         slots = self.all_slots()
         assert len(torch.unique(slots)) == len(slots), "a slot appears twice in the tree"
+        if self.snapshots is not None:
+            self.snapshots.check()
+            held = {n.snapshot for n in self._iter_nodes() if n.snapshot is not None}
+            assert held == set(self.snapshots.holders), "a snapshot is held by a node no longer in the tree"
 
     def pretty_print(self) -> str:
         """An indented picture of the tree: each edge's tokens, length and lock count."""

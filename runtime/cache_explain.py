@@ -11,7 +11,9 @@ many prompt tokens were computed fresh; and why the match stopped where it did:
   in the operator's listing (``Engine.cache_explanations`` without a tenant, or the admin key
   over HTTP); the request itself, which must learn nothing of other tenants, reads ``new_text``;
 - ``new_text``: nothing cached continues this prompt; ``full``: only the prompt's last token,
-  which is always computed, was left; ``cache_disabled``: the radix cache is off.
+  which is always computed, was left; ``cache_disabled``: the radix cache is off;
+- ``no_snapshot`` (hybrid linear-attention models): the KV is cached further (``cached_kv_tokens``),
+  but no node past the match holds the linear layers' state snapshot to resume from.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class CacheExplainer:
         if matched >= limit - limit % tree.page_size:
             miss["reason"] = "full"
             return miss
+        if tree.snapshots is not None:  # a hybrid model: the KV may go on past the last state snapshot
+            kv = tree.match_prefix(ids[:limit], whole_kv=True).length
+            if kv > matched:
+                miss.update(reason="no_snapshot", cached_kv_tokens=kv)
+                return miss
         evicted = _evicted(tree, ids, path, matched)
         if evicted is not None:
             when, end = evicted

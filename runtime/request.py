@@ -145,6 +145,7 @@ class Req:
     queued_at: float = 0.0  # when it last joined the waiting queue (monotonic; aging counts from it)
     preemptions: int = 0  # times a more urgent request took its place
     tier_fetch: Any = None  # a concurrent.futures.Future while its prefix is read back from the disk tier
+    state_marks: list[int] = field(default_factory=list)  # hybrid models: prompt positions whose states become tree snapshots
     tier_tokens: dict[str, int] | None = None  # with KV tiers: cached prompt tokens loaded from host and disk (first admission)
     beam_round: bool = False  # one beam's step of a beam search: top logprobs over what its grammar allows, no drafts
 

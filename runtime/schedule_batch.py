@@ -83,8 +83,18 @@ def build_forward_batch(rows: list[Row], kv: KVManager, runner: ModelRunner) -> 
         attn_backend=runner.attn_backend,
         hidden_indices=torch.tensor(hidden_rows, dtype=torch.int64, device=device) if hidden_rows else None,
         lora=_lora_batch(rows, getattr(runner, "lora", None)),
+        state_pool=runner.state_pool,
+        state_keeps=None if runner.state_pool is None else [_state_keep(r) for r in rows],
+        state_marks=None if runner.state_pool is None else [[p for p in r.req.state_marks if r.start < p <= r.start + r.length] for r in rows],
     )
     return batch, spans
+
+
+def _state_keep(row: Row) -> int:
+    """After how many of the row's last tokens a linear-attention state must be staged: every
+    position from where KV may be cut back after the pass (before the drafts) to the row's end."""
+    req, end = row.req, row.start + row.length
+    return min(row.length, max(1, end - (req.seq_len - 1 - len(req.draft_ids)) + 1))
 
 
 def _lora_batch(rows: list[Row], lora: LoraManager | None) -> LoraBatch | None:

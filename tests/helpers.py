@@ -13,6 +13,7 @@ from fastapi import Request
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 # The families beyond Llama's layout, each at a tiny size that still exercises what it adds.
 FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5")  # linear-attention layers between full-attention ones (tests/test_hybrid.py)
 TINY_WINDOW = 8  # the sliding window of the tiny sliding-window models (prompts run to several times it)
 
 CHAT_TEMPLATE = (
@@ -94,7 +95,7 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
         cfg = Qwen2Config(tie_word_embeddings=True, **common)
     elif arch == "mistral":
         cfg = MistralConfig(sliding_window=None, **common)
-    elif arch in FAMILY_ARCHS:
+    elif arch in FAMILY_ARCHS or arch in HYBRID_ARCHS:
         cfg = _family_config(arch, common)
     else:
         raise ValueError(arch)
@@ -106,8 +107,8 @@ def make_tiny_model(arch: str, folder: Path, seed: int = 0, **overrides) -> str:
                 p.normal_(0, 0.1)
             elif p.dim() >= 2:  # matrices, and experts stacked as [experts, rows, cols]
                 p.normal_(0, 0.2)
-            elif arch in FAMILY_ARCHS:  # norms (and sinks) too, so a wrong norm offset shows
-                p.normal_(0 if "gemma" in arch else 1, 0.3)
+            elif arch in FAMILY_ARCHS or arch in HYBRID_ARCHS:  # norms (and sinks, decays) too, so a wrong norm offset shows
+                p.normal_(0 if "gemma" in arch or arch in HYBRID_ARCHS else 1, 0.3)
     model.save_pretrained(str(folder), safe_serialization=True)
     return str(folder)
 
@@ -150,11 +151,24 @@ def _family_config(arch: str, common: dict):
         MistralConfig,
         MixtralConfig,
         Phi3Config,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
         SmolLM3Config,
     )
 
+    if arch in HYBRID_ARCHS:  # three Gated DeltaNet layers, then gated full attention; 2 key heads serving 4 value heads
+        hybrid = dict(
+            head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_conv_kernel_dim=4, **{**common, "num_hidden_layers": 4},
+        )  # fmt: skip
+        if arch == "qwen3_5":
+            return Qwen3_5TextConfig(tie_word_embeddings=False, **hybrid)
+        # routed experts plus the gated shared expert, and one dense MLP layer
+        return Qwen3NextConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1], **hybrid
+        )  # fmt: skip
     if arch == "qwen3":  # head_dim apart from hidden / heads
         return Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
     if arch == "gemma2":  # soft-caps small enough to bend random scores and logits
@@ -272,7 +286,7 @@ class Driver:
         from radixlm.runtime.request import Req
         from radixlm.runtime.sampling_params import SamplingParams
 
-        extra = {k: params.pop(k) for k in ("return_logprob", "top_logprobs_num", "logprob_start_len", "stream", "priority") if k in params}
+        extra = {k: params.pop(k) for k in ("return_logprob", "top_logprobs_num", "logprob_start_len", "stream", "priority", "return_cache_info") if k in params}
         rid = rid or f"r{len(self.stream_events)}"
         self.stream_events[rid] = []
 
@@ -640,3 +654,41 @@ class FakeAdapter:
         parts = {p: (torch.randn(r, width), torch.randn(rows[p], r)) for p, r in ranks.items()}
         a, b, blocks = _pack(parts, list(part_rows), 0.5, dtype, "cpu")
         self.name, self.weights, self.blocks, self.compact = name, {module: (a, b)}, {module: blocks}, {}
+
+
+def run_scenario(path: str, prompts: list[list[int]], options: dict, arrival: str, expect_hits: bool = True, **params):
+    """Greedy outputs of ``prompts`` on an engine over ``path`` with ``options``, the requests
+    arriving ``one_by_one``, ``all_at_once``, ``twice`` (all, then all again: the second round
+    must repeat the first, from the cache where ``expect_hits``) or ``staggered`` (one joins every
+    other step while others decode); returns the outputs and the engine's parts."""
+    from radixlm import ServerArgs
+    from radixlm.runtime.engine import build_parts
+
+    args = ServerArgs(model_path=path, max_total_tokens=options.pop("max_total_tokens", 4096), **options)
+    rt = build_parts(args)
+    d = Driver(rt)
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True, **params}
+    rids: list[str] = []
+    if arrival == "one_by_one":
+        for p in prompts:
+            rids.append(d.add(p, **params))
+            d.run()
+    elif arrival in ("all_at_once", "twice"):
+        rids = [d.add(p, **params) for p in prompts]
+        d.run()
+        if arrival == "twice":
+            first = [d.results[r].output_ids for r in rids]
+            rids = [d.add(p, **params) for p in prompts]
+            d.run()
+            assert [d.results[r].output_ids for r in rids] == first
+            assert sum(d.results[r].meta_info["cached_tokens"] for r in rids) > 0 or not expect_hits
+    else:
+        pending = list(prompts)
+
+        def on_step(i: int) -> None:
+            if pending and i % 2 == 0:
+                rids.append(d.add(pending.pop(0), **params))
+
+        d.run(on_step=on_step)
+    rt.scheduler.check_accounting()
+    return [d.results[r].output_ids for r in rids], rt

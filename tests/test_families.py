@@ -22,13 +22,14 @@ from helpers import (
     hf_greedy_divergence,
     load_hf_model,
     make_tiny_model,
+    run_scenario,
 )
 from radixlm import ServerArgs
 from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.sampling_params import SamplingParams
 
-NEW_TOKENS = 24
+NEW_TOKENS = 24  # run_scenario's default
 
 SCENARIOS = {
     # name: (engine options, how requests arrive)
@@ -82,37 +83,6 @@ def references(family_dirs):
     return divergence
 
 
-def _run(path: str, prompts: list[list[int]], options: dict, arrival: str, expect_hits: bool = True, **params):
-    args = ServerArgs(model_path=path, max_total_tokens=options.pop("max_total_tokens", 4096), **options)
-    rt = build_parts(args)
-    d = Driver(rt)
-    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True, **params}
-    rids: list[str] = []
-    if arrival == "one_by_one":
-        for p in prompts:
-            rids.append(d.add(p, **params))
-            d.run()
-    elif arrival in ("all_at_once", "twice"):
-        rids = [d.add(p, **params) for p in prompts]
-        d.run()
-        if arrival == "twice":
-            first = [d.results[r].output_ids for r in rids]
-            rids = [d.add(p, **params) for p in prompts]
-            d.run()
-            assert [d.results[r].output_ids for r in rids] == first
-            assert sum(d.results[r].meta_info["cached_tokens"] for r in rids) > 0 or not expect_hits
-    else:  # staggered: a new request joins every other step while others decode
-        pending = list(prompts)
-
-        def on_step(i: int) -> None:
-            if pending and i % 2 == 0:
-                rids.append(d.add(pending.pop(0), **params))
-
-        d.run(on_step=on_step)
-    rt.scheduler.check_accounting()
-    return [d.results[r].output_ids for r in rids], rt
-
-
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 @pytest.mark.parametrize("arch", FAMILY_ARCHS)
 def test_family_greedy_matches_transformers(arch, scenario, family_dirs, references):
@@ -121,7 +91,7 @@ def test_family_greedy_matches_transformers(arch, scenario, family_dirs, referen
     # an all-sliding model caches only requests that never slid (shorter than the window): none
     # in pages of 16 with a window of 8
     expect_hits = not (arch == "mistral_swa" and options.get("page_size") == 16)
-    outputs, rt = _run(family_dirs[arch], prompts, dict(options), arrival, expect_hits)
+    outputs, rt = run_scenario(family_dirs[arch], prompts, dict(options), arrival, expect_hits)
     assert [len(o) for o in outputs] == [NEW_TOKENS] * len(prompts)
     for i, (prompt, ours) in enumerate(zip(prompts, outputs)):
         where = references(arch, prompt, ours)
@@ -141,7 +111,7 @@ def test_family_json_schema_output_is_transformers_masked_greedy(arch, family_di
     prompts = _prompts()[2:5]
     schema = json.dumps(SCHEMA)
     constraint = SamplingParams.from_dict({"json_schema": schema}).constraint  # as the engine compiles it
-    outputs, rt = _run(family_dirs[arch], prompts, {"disable_jump_forward": True}, "all_at_once", json_schema=schema, max_new_tokens=64)
+    outputs, rt = run_scenario(family_dirs[arch], prompts, {"disable_jump_forward": True}, "all_at_once", json_schema=schema, max_new_tokens=64)
     hf = load_hf_model(family_dirs[arch])
     vocab = rt.runner.config.vocab_size
     for prompt, ours in zip(prompts, outputs):

@@ -45,11 +45,16 @@ def build_parts(args: ServerArgs) -> EngineParts:
     model_path = resolve_model_path(args.model_path)
     tokenizer = load_tokenizer(model_path, args.tokenizer_path)
     runner = ModelRunner(args, model_path, start_tp=TPDriver)
+    hybrid = runner.state_pool is not None
+    if hybrid:
+        _check_hybrid_options(args, runner.config.architecture)
     device = runner.device
     allocator = SlotAllocator(runner.max_total_tokens, args.page_size, device)
     width = -(-runner.context_len // args.page_size) * args.page_size  # whole pages per row
     table = ReqToTokenTable(args.max_running_requests + 8, width, device)
     tree = RadixCache(allocator.free_slots, args.page_size, disable=args.disable_radix_cache, track_origins=not args.disable_cache_explain)
+    if hybrid:  # recurrent states exist only where they were computed: a prefix is reusable where the tree holds a snapshot
+        tree.snapshots = runner.state_snapshots
     kv = KVManager(allocator, table, tree)
     if args.kv_tiers_enabled:
         kv.attach_tiers(make_kv_tiers(args, model_path, runner))
@@ -60,6 +65,18 @@ def build_parts(args: ServerArgs) -> EngineParts:
     if pd is not None:
         scheduler.attach_pd(pd)
     return EngineParts(args, model_path, tokenizer, runner, kv, scheduler, grammars, pd)
+
+
+def _check_hybrid_options(args: ServerArgs, family: str) -> None:
+    """Refuse, by name, the options a hybrid linear-attention model does not run with yet."""
+    refused = {
+        "disaggregation_mode": args.disaggregation_mode is not None,
+        "kv_host_cache_gb / kv_disk_cache_dir": args.kv_tiers_enabled,
+        "speculative_algorithm='draft'": args.speculative_algorithm == "draft",
+    }
+    for name, chosen in refused.items():
+        if chosen:
+            raise ValueError(f"{name} does not run with a hybrid linear-attention model ({family}) yet: its recurrent states stay on one engine")
 
 
 def make_kv_tiers(args: ServerArgs, model_path: str, runner: ModelRunner) -> KVTiers:

@@ -17,6 +17,8 @@ import torch
 from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.kernels.kv_quant import resolve_kv_format
 from radixlm.radix_cache.pool import KVPool
+from radixlm.radix_cache.state_pool import StatePool
+from radixlm.radix_cache.state_snapshots import StateSnapshots
 from radixlm.runtime.distributed.group import TPGroup
 from radixlm.runtime.executor.batch_plan import send_batch
 from radixlm.runtime.executor.decode_graphs import DecodeGraphs
@@ -73,6 +75,8 @@ class ModelRunner:
         self.dtype = args.resolved_dtype(self.device)
         self.driver: TensorParallel | None = None
         self.group = group
+        self.reserved_bytes = 0  # memory the KV pool leaves to other per-request state (a hybrid model's state pool)
+        self.state_snapshots: StateSnapshots | None = None
         if self.device.type == "cpu" and group is None:
             self._build_cpu_kernels()  # before any worker starts, which then finds them built
         if args.tp_size > 1 and group is None:
@@ -119,11 +123,12 @@ class ModelRunner:
         self.kv_format = resolve_kv_format(args.kv_cache_dtype, self.dtype)
         cfg = self.config
         kv_heads, kv_dim, latent_dim = cfg.kv_layout(None if shard is None else shard.num_kv_heads)  # MLA: one latent row a layer
-        self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, kv_dim, self.dtype, self.kv_format, latent_dim)
+        self.kv_bytes_per_token = KVPool.bytes_per_token(cfg.kv_layers, kv_heads, kv_dim, self.dtype, self.kv_format, latent_dim)
+        self.state_pool = self._state_pool()
         self.max_total_tokens = pool_tokens or self._pool_size(self.kv_bytes_per_token)
         # one slot past the allocator's, owned by no request: the padded rows of captured decode steps write there
         self.pad_write_slot = self.max_total_tokens
-        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.num_layers, kv_heads, kv_dim, self.dtype, self.device, self.kv_format, latent_dim)
+        self.kv_pool = KVPool(self.max_total_tokens + 1, cfg.kv_layers, kv_heads, kv_dim, self.dtype, self.device, self.kv_format, latent_dim)
         self.attn_backend = select_attention_backend(args.attention_backend, self.device)
         if latent_dim is not None and not self.attn_backend.latent_kv:
             logger.info("attention backend torch: %s does not serve a latent KV pool", type(self.attn_backend).__name__)
@@ -140,9 +145,36 @@ class ModelRunner:
             type(self.attn_backend).__name__,
         )
 
+    def _state_pool(self) -> StatePool | None:
+        """The linear-attention states of a hybrid model: one slot per request-table row (the
+        engine's table has ``max_running_requests + 8``), taken out of the memory the KV pool may
+        use, with as many snapshots of them for the radix tree (``StateSnapshots``);
+        ``max_running_requests`` is lowered where both would take over half of it."""
+        spec = self.config.linear
+        if spec is None:
+            return None
+        args, layers = self.args, self.config.linear_layers
+        snapshot = StatePool.bytes_per_row(layers, spec.conv_state_shape, spec.state_shape, self.dtype)
+        per_row = snapshot + StatePool.bytes_per_row(layers, spec.conv_state_shape, spec.state_shape, self.dtype, args.page_size)  # its slot, and a snapshot in the tree
+        fits = int(available_memory_bytes(self.device) * args.mem_fraction_static / 2 // per_row) - 8  # half the cache memory at most
+        if fits < 1:
+            raise ValueError(f"mem_fraction_static {args.mem_fraction_static} leaves no room for one request's linear-attention states ({per_row / 2**20:.1f} MiB)")
+        if args.max_running_requests > fits:
+            logger.warning("max_running_requests lowered from %d to %d: each request's linear-attention states take %.1f MiB", args.max_running_requests, fits, per_row / 2**20)
+            args.max_running_requests = fits  # the request table and the scheduler are sized from it after the runner
+        rows = args.max_running_requests + 8
+        pool = StatePool(rows, layers, spec.conv_state_shape, spec.state_shape, self.dtype, self.device, args.page_size)
+        self.state_snapshots = StateSnapshots(pool, rows)
+        self.reserved_bytes = pool.nbytes() + self.state_snapshots.nbytes()
+        logger.info("state pool: %d requests x %d linear-attention layers and as many tree snapshots, %.1f MiB", rows, layers, self.reserved_bytes / 2**20)
+        return pool
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of the decode step, where they can run: one CUDA device, a backend that captures."""
         if self.device.type != "cuda" or self.args.disable_cuda_graph or self.group is not None or not self.attn_backend.captures_decode:
+            return None
+        if self.config.linear is not None:  # the linear-attention layers stage states per row: eager steps only
+            logger.info("CUDA graphs off: a hybrid linear-attention model runs its decode steps eagerly")
             return None
         if self.config.moe is not None:  # routed experts choose their work on the host each step: not capturable
             logger.info("CUDA graphs off: a mixture-of-experts model runs its decode steps eagerly")
@@ -163,7 +195,7 @@ class ModelRunner:
             n = self.args.max_total_tokens
         else:
             fraction = self.args.mem_fraction_static
-            n = int(available_memory_bytes(self.device) * fraction // bytes_per_token)
+            n = int((available_memory_bytes(self.device) * fraction - self.reserved_bytes) // bytes_per_token)
             n = min(n, 1 << 20)
         n -= n % page
         if n < page:
@@ -203,6 +235,8 @@ class ModelRunner:
             if logits is not None:
                 return logits
         self.attn_backend.init_forward_metadata(batch)
+        if batch.state_pool is not None:
+            batch.state_pool.begin(batch)
         if batch.lora is not None:
             with self.lora.running(batch.lora):
                 hidden = self.model(batch)

@@ -17,6 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from radixlm.radix_cache.pool import KVPool
+    from radixlm.radix_cache.state_pool import StatePool
     from radixlm.runtime.layers.attention_spec import AttentionSpec
 
 
@@ -52,11 +53,26 @@ class ForwardBatch:
     hidden_indices: torch.Tensor | None = None  # token indices whose final hidden states pooling requests want (rank 0 only)
     hidden_out: torch.Tensor | None = None  # set by the runner: fp32 [len(hidden_indices), hidden] of those tokens
     lora: Any = None  # the LoRA adapter segments of this pass (runtime/lora/batch.py), None without adapter rows
+    state_pool: StatePool | None = None  # linear-attention states (hybrid models only)
+    state_keeps: list[int] | None = None  # per row: after how many of its last tokens a state is staged (None: the last only)
+    state_marks: list[list[int]] | None = None  # per row: positions inside it whose states are staged for the tree's snapshots
 
     @property
     def batch_size(self) -> int:
         """Number of rows."""
         return len(self.extend_lens)
+
+    def state_keep(self, row: int) -> int:
+        """After how many of row ``row``'s last tokens a linear-attention state is staged (those
+        whose KV the pass may drop: drafts under verification), at least the last one."""
+        return 1 if self.state_keeps is None else self.state_keeps[row]
+
+    def state_marks_of(self, row: int) -> list[int]:
+        """The snapshot positions within row ``row``, as counts of its new tokens (ascending)."""
+        if self.state_marks is None:
+            return []
+        start = self.prefix_lens[row]
+        return [p - start for p in self.state_marks[row]]
 
     @property
     def seq_lens(self) -> list[int]:

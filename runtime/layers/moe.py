@@ -78,11 +78,14 @@ class MoEBlock(nn.Module):
         shared_intermediate_size: int = 0,
         group: TPGroup | None = None,
         bias: bool = False,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
         self.router = Router(hidden_size, router)
         self.experts = nn.ModuleList(ExpertMLP(hidden_size, intermediate_size, act_fn, bias) for _ in range(router.num_experts))
         self.shared_experts = ExpertMLP(hidden_size, shared_intermediate_size, act_fn) if shared_intermediate_size else None
+        # Qwen3-Next: the shared expert's output is scaled per token by sigmoid(x . w)
+        self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if shared_gate and shared_intermediate_size else None
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -90,5 +93,8 @@ class MoEBlock(nn.Module):
         weights, ids = self.router(x)
         out = run_experts(x, weights, ids, self.experts)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         return out if self.group is None else self.group.all_reduce(out)

@@ -13,6 +13,7 @@ from radixlm.runtime.models.mixtral import MixtralForCausalLM
 from radixlm.runtime.models.phi3 import Phi3ForCausalLM
 from radixlm.runtime.models.qwen3 import Qwen3ForCausalLM
 from radixlm.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+from radixlm.runtime.models.qwen3_next import Qwen3NextForCausalLM
 
 __all__ = [
     "DeepseekForCausalLM",
@@ -25,4 +26,5 @@ __all__ = [
     "Phi3ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixlm.runtime.layers.gated_delta import GatedDeltaSpec
 from radixlm.runtime.layers.mla import MLASpec
 from radixlm.runtime.layers.moe_router import RouterSpec
 from radixlm.runtime.models.registry import supported_architectures
@@ -24,6 +25,7 @@ class MoEConfig:
     intermediate_size: int  # each routed expert's
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
     shared_intermediate_size: int = 0  # DeepSeek's shared experts, as one MLP (0: none)
+    shared_gate: bool = False  # Qwen3-Next: the shared expert's output scaled by a learned sigmoid gate per token
     expert_bias: bool = False  # GPT-OSS: the experts' projections have biases
     swiglu_limit: float | None = None  # GPT-OSS: the experts' clamped SwiGLU (clamp limit, sigmoid gain)
     swiglu_alpha: float = 1.702
@@ -61,9 +63,9 @@ class MoEConfig:
             correction_bias=method == "noaux_tc",
         )
         inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-        shared = (cfg.get("n_shared_experts") or 0) * inter
+        shared = cfg.get("shared_expert_intermediate_size") or (cfg.get("n_shared_experts") or 0) * inter
         if family != "gpt_oss":
-            return cls(router, inter, sparse, shared)
+            return cls(router, inter, sparse, shared, shared_gate=bool(cfg.get("shared_expert_intermediate_size")))
         limit, alpha = float(cfg.get("swiglu_limit") or 7.0), float(cfg.get("swiglu_alpha") or 1.702)
         return cls(router, inter, sparse, shared, expert_bias=True, swiglu_limit=limit, swiglu_alpha=alpha)
 
@@ -102,6 +104,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
     moe: MoEConfig | None = None  # a mixture of experts: its routing and expert layers
     mla: MLASpec | None = None  # DeepSeek's multi-head latent attention (its KV pool is latent)
+    linear: GatedDeltaSpec | None = None  # hybrid models: the Gated DeltaNet layers' shapes (layer_types "linear_attention")
 
     def kv_layout(self, num_kv_heads: int | None = None) -> tuple[int, int, int | None]:
         """The KV pool's shape per token and layer: ``(kv heads, key width, latent width)``.
@@ -112,6 +115,24 @@ class ModelConfig:
         if self.mla is not None:
             return 1, self.mla.row_dim, self.mla.kv_lora_rank
         return (self.num_kv_heads if num_kv_heads is None else num_kv_heads), self.head_dim, None
+
+    def is_linear(self, layer: int) -> bool:
+        """True where ``layer`` mixes tokens by linear attention (a recurrent state, no KV)."""
+        return self.linear is not None and self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep KV in the pool (every layer but the linear-attention ones)."""
+        return sum(not self.is_linear(i) for i in range(self.num_layers))
+
+    @property
+    def linear_layers(self) -> int:
+        """Layers that keep a recurrent state instead of KV."""
+        return self.num_layers - self.kv_layers
+
+    def pool_layer(self, layer: int) -> int:
+        """``layer``'s index among the layers of its kind: in the KV pool, or in the state pool for a linear-attention layer."""
+        return sum(self.is_linear(i) == self.is_linear(layer) for i in range(layer))
 
     def sparse(self, layer: int) -> bool:
         """True where ``layer``'s feed-forward block is routed experts (not a dense MLP)."""
@@ -152,6 +173,8 @@ class ModelConfig:
                 f"unsupported model architecture {archs or cfg.get('model_type')!r}; "
                 f"radixlm runs {sorted(supported)}"
             )
+        if isinstance(cfg.get("text_config"), dict) and "num_attention_heads" not in cfg:  # a vision-language checkpoint: its text model
+            cfg = {**cfg["text_config"], "architectures": archs}
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         mla = _mla_spec(cfg, family)
@@ -191,7 +214,21 @@ class ModelConfig:
             partial_rotary_factor=float(_rope_field(global_rope, "partial_rotary_factor", 1.0)),
             moe=MoEConfig.from_hf_dict(cfg, family),
             mla=mla,
+            linear=_linear_spec(cfg),
         )
+
+
+def _linear_spec(cfg: dict[str, Any]) -> GatedDeltaSpec | None:
+    """The Gated DeltaNet shapes of a hybrid config (None where no layer is ``linear_attention``)."""
+    if "linear_attention" not in (cfg.get("layer_types") or []):
+        return None
+    return GatedDeltaSpec(
+        num_k_heads=cfg["linear_num_key_heads"],
+        num_v_heads=cfg["linear_num_value_heads"],
+        head_k_dim=cfg["linear_key_head_dim"],
+        head_v_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg.get("linear_conv_kernel_dim") or 4,
+    )
 
 
 def _mla_spec(cfg: dict[str, Any], family: str) -> MLASpec | None:

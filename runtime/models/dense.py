@@ -35,6 +35,7 @@ from radixlm.runtime.layers.activation import clamped_swiglu, gelu_tanh_and_mul,
 from radixlm.runtime.layers.attention_spec import AttentionSpec
 from radixlm.runtime.layers.decode_stack import DecodeStacks, StackLayer
 from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.gated_delta import GatedDeltaNet
 from radixlm.runtime.layers.mla import LatentAttention
 from radixlm.runtime.layers.moe import MoEBlock
 from radixlm.runtime.layers.norm import RMSNorm
@@ -66,6 +67,7 @@ class DenseArch:
     norm_offset: float = 0.0  # Gemma: norms scale by (1 + weight); the 1 is added to the weights at load
     embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(hidden_size)
     sinks: bool = False  # GPT-OSS: a learned attention-sink logit per query head
+    attn_output_gate: bool = False  # Qwen3-Next, Qwen3.5: q_proj gives each head a gate too; output * sigmoid(gate)
 
 
 class DenseAttention(nn.Module):
@@ -73,15 +75,16 @@ class DenseAttention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, arch: DenseArch, layer_id: int, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
-        self.layer_id = layer_id
+        self.layer_id = cfg.pool_layer(layer_id)  # the KV pool's layer (hybrid models keep KV for their attention layers only)
         self.num_heads = cfg.num_heads if shard is None else shard.num_heads
         self.num_kv_heads = cfg.num_kv_heads if shard is None else shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.group = group
-        self.q_size = self.num_heads * cfg.head_dim
+        self.gated = arch.attn_output_gate
+        self.q_size = self.num_heads * cfg.head_dim * (2 if self.gated else 1)  # gated: each head's query, then its gate
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if arch.sinks else None
@@ -98,6 +101,10 @@ class DenseAttention(nn.Module):
         """Attend each new token to its sequence's cached prefix and to earlier new tokens."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(-1, self.num_heads * self.head_dim)
         if self.q_norm is not None:  # over each head's dims, as one [T * H, D] batch of rows
             q, k = self.q_norm(q.reshape(-1, self.head_dim)), self.k_norm(k.reshape(-1, self.head_dim))
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -105,7 +112,10 @@ class DenseAttention(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.rope_table is not None:
             q, k = apply_rotary(q, k, ropes[self.rope_table])
-        out = self.o_proj(batch.attn_backend.forward(q, k, v, self.layer_id, batch, self.spec()))
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, batch, self.spec())
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        out = self.o_proj(out)
         return out if self.group is None else self.group.all_reduce(out)
 
 
@@ -133,7 +143,10 @@ class DenseDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = DenseAttention(cfg, arch, layer_id, shard, group) if cfg.mla is None else latent_attention(cfg, layer_id, shard, group)
+        if cfg.is_linear(layer_id):  # a hybrid model's linear-attention layer: a recurrent state, no KV
+            self.linear_attn = GatedDeltaNet(hidden, cfg.linear, cfg.pool_layer(layer_id), eps)
+        else:
+            self.self_attn = DenseAttention(cfg, arch, layer_id, shard, group) if cfg.mla is None else latent_attention(cfg, layer_id, shard, group)
         self.post_attention_layernorm = RMSNorm(hidden, eps)  # Gemma: on the attention output; else: before the MLP
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps) if arch.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(hidden, eps) if arch.sandwich_norms else None
@@ -146,7 +159,7 @@ class DenseDecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add_forward(x, residual)
-        attn = self.self_attn(ropes, h, batch)
+        attn = self.linear_attn(h, batch) if hasattr(self, "linear_attn") else self.self_attn(ropes, h, batch)
         if self.pre_feedforward_layernorm is None:
             residual, h = self.post_attention_layernorm.add_forward(attn, residual)
             return self.mlp(h), residual
@@ -156,8 +169,8 @@ class DenseDecoderLayer(nn.Module):
     def stack_layer(self) -> StackLayer | None:
         """This layer's parts, as the fused C++ decode stack reads them (None: it has no stack form, as
         routed experts and latent attention)."""
-        attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, DenseMLP) or not isinstance(attn, DenseAttention):
+        attn, mlp = getattr(self, "self_attn", None), self.mlp
+        if not isinstance(mlp, DenseMLP) or not isinstance(attn, DenseAttention) or attn.gated:
             return None
         sandwich = self.pre_feedforward_layernorm is not None
         return StackLayer(
@@ -184,9 +197,9 @@ def moe_block(cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | N
     else:
         act_fn = _activation(cfg)[1]
     if shard is None:
-        return MoEBlock(cfg.hidden_size, moe.router, moe.intermediate_size, act_fn, moe.shared_intermediate_size, bias=moe.expert_bias)
+        return MoEBlock(cfg.hidden_size, moe.router, moe.intermediate_size, act_fn, moe.shared_intermediate_size, bias=moe.expert_bias, shared_gate=moe.shared_gate)
     inter, shared = shard.expert_intermediate_size, shard.shared_intermediate_size
-    return MoEBlock(cfg.hidden_size, moe.router, inter, act_fn, shared, group, bias=moe.expert_bias)
+    return MoEBlock(cfg.hidden_size, moe.router, inter, act_fn, shared, group, bias=moe.expert_bias, shared_gate=moe.shared_gate)
 
 
 def _activation(cfg: ModelConfig) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -210,6 +223,7 @@ class DenseForCausalLM(nn.Module):
     ``compute_logits`` returns the logits of its vocabulary slice."""
 
     arch = DenseArch()
+    plain_norms: tuple[str, ...] = ()  # norms that keep their weights as stored where the family's others add norm_offset
 
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
@@ -293,7 +307,7 @@ class DenseForCausalLM(nn.Module):
         (a family whose checkpoints differ from the Hugging Face Llama layout converts them here)."""
         offset = self.arch.norm_offset
         for name, source in weights:
-            if offset and name.endswith("norm.weight"):
+            if offset and name.endswith("norm.weight") and not name.endswith(self.plain_norms):
                 yield name, source[:].float() + offset
             else:
                 yield name, source
@@ -335,8 +349,10 @@ class DenseForCausalLM(nn.Module):
     def _part_sizes(self, fused: str) -> list[int]:
         """The row counts of a fused projection's parts: q, k, v or gate, up."""
         if fused.endswith("qkv_proj"):
-            attn = self.layers[0].self_attn
+            attn = self.get_submodule(fused.rsplit(".", 1)[0])
             return [attn.q_size, attn.kv_size, attn.kv_size]
+        if fused.endswith("in_proj"):
+            return self.get_submodule(fused.rsplit(".", 1)[0]).part_sizes()
         rows = self.get_submodule(fused).out_features
         return [rows // 2, rows // 2]
 

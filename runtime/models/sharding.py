@@ -109,6 +109,8 @@ def plan_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} is outside a group of size {size}")
     heads, kv = cfg.num_heads, cfg.num_kv_heads
+    if cfg.linear is not None and size > 1:
+        raise ValueError(f"tp_size {size} (--tp-size): a hybrid linear-attention model ({cfg.architecture}) runs on one rank only")
     if cfg.mla is not None and size > heads:
         raise ValueError(f"tp_size {size} (--tp-size) is larger than the {heads} attention heads a latent-attention model splits across ranks")
     group = heads // kv

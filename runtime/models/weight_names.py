@@ -25,8 +25,12 @@ _OTHER_LAYER_TENSORS = {
     "mlp.gate.e_score_correction_bias": ("mlp.router", "correction_bias"),
 }
 _OTHER_NAME = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(re.escape(k) for k in _OTHER_LAYER_TENSORS) + r")$")
-_PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-FUSED = ("qkv_proj", "gate_up_proj")
+_PARTS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    # Gated DeltaNet (Qwen3.5 spelling): one in_proj of q/k/v, z, b, a
+    "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2), "in_proj_a": ("in_proj", 3),
+}  # fmt: skip
+FUSED = ("qkv_proj", "gate_up_proj", "in_proj")
 _RENAMED = {"mlp.gate": "mlp.router"}
 
 

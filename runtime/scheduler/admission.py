@@ -122,6 +122,7 @@ class Admission(Finishing):
                 self.fail(req, f"admission failed: {exc}")
                 continue
             req.kv = state
+            req.state_marks = self.kv.snapshot_points(req.cache_ids, req.max_cacheable_prefix(), len(prefix_slots))
             req.run_class = priority.effective_class(req, priority.clock(), self.args.priority_aging_s)
             self.note_admission(req, len(prefix_slots), node)
             self.waiting.remove(req)

@@ -87,7 +87,29 @@ class ForwardPass(Finishing):
                 self.kv.truncate(req.kv, req.seq_len - 1 - len(req.draft_ids))
                 if self.kv_window is not None:  # before the prompt is shared: a row with holes is not
                     self.kv.slide(req.kv, self.kv_window)
+        if batch.state_pool is not None:
+            self._commit_states(batch, rows)
         return rows
+
+    def _commit_states(self, batch: ForwardBatch, rows: list[Row]) -> None:
+        """Keep each running row's linear-attention state at the length its KV was kept to (rows
+        are in the batch's order), and hand the states at marked prompt positions to the tree;
+        where that fails, the rows' requests fail, never the engine."""
+        pool = batch.state_pool
+        try:
+            pool.commit([row.req.kv.kv_len if row.req.finish is None and row.req.kv is not None else None for row in rows])
+        except Exception as exc:
+            logger.exception("committing linear-attention states failed")
+            for row in rows:
+                if row.req.finish is None:
+                    self.fail(row.req, f"internal error: {exc}")
+            return
+        for i, row in enumerate(rows):  # the prompt positions marked for the tree's state snapshots
+            req = row.req
+            marks = pool.marks(i) if req.finish is None and req.kv is not None else []
+            if marks:
+                self.kv.cache_prefix(req.kv, req.cache_ids)  # their KV into the tree first
+                self.kv.take_snapshots(req.kv, req.cache_ids, marks)
 
     def _pool(self, batch: ForwardBatch, spans: LogitSpans, logits: torch.Tensor) -> None:
         """Hand pooling rows their hidden states (or score logits); a row that ends its prompt

@@ -1,0 +1,163 @@
+"""StatePool: the recurrent and convolution states of linear-attention layers, one slot per request.
+
+A hybrid model (Qwen3-Next, Qwen3.5) keeps, beside the KV of its full-attention layers, a fixed-size
+state per request in each linear-attention layer (``radixlm.runtime.layers.gated_delta``). Slot
+``r`` belongs to request-table row ``r``, so a running request holds exactly one. A state cannot be
+cut back like KV pages: it exists only at the position where it was computed. So a forward pass
+never overwrites the committed state; each layer **stages** what it computed, and after the pass the
+scheduler **commits**, per row, the state at the length it kept (``commit``)::
+
+    pass over a row verifying 3 drafts:  staged states after tokens  p, p+1, p+2, p+3
+    2 drafts accepted (KV kept to p+3):  commit the state after p+2
+
+A pass that raises commits nothing (its rows are re-run from the committed states), and a row
+whose request starts over (a new prompt, or one retracted) begins from zeros.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixlm.runtime.layers.forward_batch import ForwardBatch
+
+
+class StatePool:
+    """Per-request states of ``layers`` linear-attention layers for ``rows`` request-table rows."""
+
+    def __init__(
+        self,
+        rows: int,
+        layers: int,
+        conv_shape: tuple[int, ...],
+        state_shape: tuple[int, ...],
+        conv_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+    ) -> None:
+        if rows <= 0 or layers <= 0:
+            raise ValueError("a state pool needs at least one row and one layer")
+        self.rows, self.layers, self.page_size = rows, layers, page_size
+        self.conv = torch.zeros((layers, rows, *conv_shape), dtype=conv_dtype, device=device)
+        self.state = torch.zeros((layers, rows, *state_shape), dtype=torch.float32, device=device)
+        self.lengths = [0] * rows  # per row: the sequence length its committed state is the state after
+        # pages of more than one token: each row's states at the last page boundary it passed (the
+        # radix tree holds whole pages, so a finished request's snapshot is taken there)
+        self.boundary: tuple[torch.Tensor, torch.Tensor] | None = None
+        if page_size > 1:
+            self.boundary = (torch.zeros_like(self.conv), torch.zeros_like(self.state))
+        self.boundary_lengths = [0] * rows
+        self._batch_rows: list[int] = []
+        self._index: dict[int, int] = {}  # request-table row -> its row in the pass
+        self._ends: list[int] = []
+        self._keep: list[int] = []
+        self._batch_extend: list[int] = []
+        self._staged: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(layers)]
+        self._marked: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(layers)]
+
+    def nbytes(self) -> int:
+        """Bytes the pool holds."""
+        copies = 1 if self.boundary is None else 2
+        return copies * (self.conv.nbytes + self.state.nbytes)
+
+    @staticmethod
+    def bytes_per_row(layers: int, conv_shape: tuple[int, ...], state_shape: tuple[int, ...], conv_dtype: torch.dtype, page_size: int = 1) -> int:
+        """Bytes one request's slot takes over all layers (twice over with pages of several tokens)."""
+        conv = torch.Size(conv_shape).numel() * torch.empty((), dtype=conv_dtype).element_size()
+        return layers * (conv + torch.Size(state_shape).numel() * 4) * (1 if page_size == 1 else 2)
+
+    def begin(self, batch: ForwardBatch) -> None:
+        """Start a pass over ``batch``: forget anything staged by a pass that never committed."""
+        self._batch_rows = batch.req_rows.tolist()
+        self._index = {row: i for i, row in enumerate(self._batch_rows)}
+        for row, prefix in zip(self._batch_rows, batch.prefix_lens):
+            if prefix == 0:
+                self.lengths[row] = self.boundary_lengths[row] = 0  # starts over from zeros (read gives them)
+        self._ends = batch.seq_lens
+        self._keep = [batch.state_keep(i) for i in range(batch.batch_size)]
+        self._batch_extend = list(batch.extend_lens)
+        for staged in (*self._staged, *self._marked):
+            staged.clear()
+
+    def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed conv and recurrent states of ``batch``'s rows in ``layer`` (zeros for a row
+        that starts its sequence): ``[B, *conv_shape]``, ``[B, *state_shape]``, copies."""
+        rows = batch.req_rows.to(self.conv.device)
+        conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, rows)
+        fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
+        if fresh:
+            conv[fresh] = 0
+            state[fresh] = 0
+        return conv, state
+
+    def stage(self, layer: int, index: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Batch row ``index``'s states after each of its last ``state_keep`` tokens in ``layer``:
+        ``[keep, *conv_shape]`` and ``[keep, *state_shape]``."""
+        self._staged[layer][index] = (conv, state)
+
+    def stage_marks(self, layer: int, index: int, states: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Batch row ``index``'s states in ``layer`` after ``h`` of its new tokens, for each ``h``
+        of ``states`` (``h -> (conv, state)``): the points the radix tree snapshots."""
+        self._marked[layer][index] = states
+
+    def marks(self, index: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The marked states of batch row ``index`` over all layers, after the pass: ``(position,
+        conv [layers, *conv_shape], state [layers, *state_shape])``, ascending."""
+        if index not in self._marked[0]:
+            return []
+        start = self._ends[index] - self._batch_extend[index]
+        return [
+            (start + h, torch.stack([m[index][h][0] for m in self._marked]), torch.stack([m[index][h][1] for m in self._marked]))
+            for h in sorted(self._marked[0][index])
+        ]
+
+    def _keep_boundary(self, i: int, row: int, length: int) -> None:
+        """Copy batch row ``i``'s staged states at the last page boundary up to ``length``, where it staged them."""
+        if self.boundary is None:
+            return
+        at = length // self.page_size * self.page_size - (self._ends[i] - self._keep[i]) - 1
+        if not 0 <= at < self._keep[i]:
+            return
+        for layer, staged in enumerate(self._staged):
+            conv, state = staged[i]
+            self.boundary[0][layer, row] = conv[at]
+            self.boundary[1][layer, row] = state[at]
+        self.boundary_lengths[row] = length // self.page_size * self.page_size
+
+    def state_at(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Request-table row ``row``'s states after ``length`` tokens over all layers (``[layers, ...]``),
+        staged by the pass under way or committed; None where neither holds them."""
+        i = self._index.get(row)
+        if i is not None and i in self._staged[0]:
+            at = length - (self._ends[i] - self._keep[i]) - 1
+            if 0 <= at < self._keep[i]:
+                return torch.stack([s[i][0][at] for s in self._staged]), torch.stack([s[i][1][at] for s in self._staged])
+        if self.lengths[row] == length and length > 0:
+            return self.conv[:, row], self.state[:, row]
+        if self.boundary is not None and self.boundary_lengths[row] == length and length > 0:
+            return self.boundary[0][:, row], self.boundary[1][:, row]
+        return None
+
+    def commit(self, kept: list[int | None]) -> None:
+        """Make the staged states current: batch row ``i`` kept its first ``kept[i]`` positions
+        (None: the row's request ended, nothing to keep). Raises ValueError when no state was
+        staged at that length."""
+        if len(kept) != len(self._batch_rows):
+            raise ValueError(f"commit of {len(kept)} rows for a pass of {len(self._batch_rows)}")
+        for i, length in enumerate(kept):
+            if length is None:
+                continue
+            at = length - (self._ends[i] - self._keep[i]) - 1
+            if not 0 <= at < self._keep[i]:
+                raise ValueError(f"row {i} kept {length} positions; states were staged for {self._ends[i] - self._keep[i] + 1}..{self._ends[i]}")
+            row = self._batch_rows[i]
+            for layer, staged in enumerate(self._staged):
+                conv, state = staged[i]
+                self.conv[layer, row] = conv[at]
+                self.state[layer, row] = state[at]
+            self.lengths[row] = length
+            self._keep_boundary(i, row, length)
+        for staged in self._staged:
+            staged.clear()  # (marks stay readable until the next pass begins)

@@ -1,0 +1,313 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5) give transformers' greedy tokens.
+
+Tiny random checkpoints saved by transformers' own classes (``HYBRID_ARCHS`` in helpers.py): three
+Gated DeltaNet layers (2 key heads serving 4 value heads) and one gated full-attention layer with
+partial RoPE; Qwen3-Next with routed experts, a gated shared expert and one dense MLP layer. Each
+request's recurrent and convolution states must be carried exactly through every scheduling
+situation: chunk boundaries, mixed decode/prefill passes, retraction, and drafts (n-gram
+speculation, jump-forward) whose rejected tokens must leave no trace in the state.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import radixlm
+from helpers import (
+    HYBRID_ARCHS,
+    Driver,
+    hf_greedy_divergence,
+    load_hf_model,
+    make_tiny_model,
+    run_scenario,
+)
+from radixlm import ServerArgs
+from radixlm.radix_cache.state_pool import StatePool
+from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
+from radixlm.runtime.engine import build_parts
+from radixlm.runtime.layers.gated_delta import (
+    GatedDeltaNet,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    l2norm,
+)
+from radixlm.runtime.sampling_params import SamplingParams
+
+SCENARIOS = {
+    # name: (engine options, how requests arrive)
+    "alone": ({}, "one_by_one"),
+    "mixed_batch": ({}, "staggered"),
+    "all_at_once": ({}, "all_at_once"),
+    "chunked_prefill_16": ({"chunked_prefill_size": 16}, "staggered"),
+    "chunked_prefill_5": ({"chunked_prefill_size": 5}, "all_at_once"),  # chunks that align with nothing
+    "radix_cache_hit": ({}, "twice"),  # the second round resumes from the first's snapshots
+    "page_size_16": ({"page_size": 16}, "twice"),
+    "retraction": ({"max_total_tokens": 72, "max_running_requests": 12}, "all_at_once"),  # the first 4 prompts need 149
+    "ngram_speculation": ({"speculative_algorithm": "ngram"}, "all_at_once"),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A folder per hybrid family: a tiny random checkpoint saved by transformers."""
+    root = tmp_path_factory.mktemp("hybrid")
+    return {arch: make_tiny_model(arch, root / arch) for arch in HYBRID_ARCHS}
+
+
+@pytest.fixture(scope="module")
+def references(hybrid_dirs):
+    """Each family's transformers model, loaded once."""
+    models: dict[str, torch.nn.Module] = {}
+
+    def model(arch: str) -> torch.nn.Module:
+        if arch not in models:
+            models[arch] = load_hf_model(hybrid_dirs[arch])
+        return models[arch]
+
+    return model
+
+
+def _prompts() -> list[list[int]]:
+    """Short and long prompts (past one 64-token block of the chunked form), some repeating a
+    phrase so n-gram speculation finds drafts in them."""
+    rng = random.Random(5)
+    phrase = [rng.randrange(3, 390) for _ in range(6)]
+    lengths = [3, 9, 17, 40, 70, 130]
+    prompts = [[rng.randrange(3, 390) for _ in range(n)] for n in lengths]
+    prompts[2] = (phrase * 4)[:17]
+    prompts[4] = prompts[4][:40] + phrase * 5
+    return prompts
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_hybrid_greedy_matches_transformers(arch, scenario, hybrid_dirs, references):
+    options, arrival = SCENARIOS[scenario]
+    prompts = _prompts()
+    if scenario == "retraction":
+        prompts = prompts[:4]  # each fits the small pool alone, not all together
+    outputs, rt = run_scenario(hybrid_dirs[arch], prompts, dict(options), arrival, max_new_tokens=20)
+    assert [len(o) for o in outputs] == [20] * len(prompts)
+    for i, (prompt, ours) in enumerate(zip(prompts, outputs)):
+        where = hf_greedy_divergence(references(arch), prompt, ours)
+        assert where is None, f"{arch}: prompt {i} ({len(prompt)} tokens) diverged from transformers at token {where}"
+    if scenario == "retraction":
+        assert rt.scheduler.total_retracted > 0, "the pool was large enough that nothing was retracted"
+    if scenario == "ngram_speculation":
+        stats = rt.scheduler.speculator.stats()
+        assert stats["spec_draft_tokens"] > 0
+        assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], "no draft was rejected: the state roll-back went untested"
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}, "required": ["name", "n"]}
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_hybrid_json_schema_with_jump_forward_is_transformers_masked_greedy(arch, hybrid_dirs, references):
+    """Under a JSON schema with jump-forward on (forced text verified as drafts), every token is
+    transformers' argmax among the tokens the grammar allows."""
+    prompts = _prompts()[1:4]
+    schema = json.dumps(SCHEMA)
+    constraint = SamplingParams.from_dict({"json_schema": schema}).constraint
+    outputs, rt = run_scenario(hybrid_dirs[arch], prompts, {}, "all_at_once", expect_hits=False, json_schema=schema, max_new_tokens=48)
+    hf = references(arch)
+    vocab = rt.runner.config.vocab_size
+    for prompt, ours in zip(prompts, outputs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1, :vocab]
+        matcher = rt.grammars.compile(*constraint).matcher()
+        for j, token in enumerate(ours):
+            bits = torch.full((1, bitmask_width(vocab)), -1, dtype=torch.int32)
+            matcher.fill_bitmask(bits, 0)
+            allowed = unpack_bitmask(bits, vocab)[0]
+            best = int(logits[j].masked_fill(~allowed, float("-inf")).argmax())
+            assert best == token, f"{arch}: constrained token {j} is {token}, transformers' masked argmax {best}"
+            assert matcher.accept(token)
+
+
+def test_a_failing_pass_reruns_its_rows_from_the_committed_states(hybrid_dirs, references, monkeypatch):
+    """A pass that raises in a late layer (the early layers already staged new states) is split and
+    re-run: the failing request alone fails, and its batch-mates still match transformers."""
+    prompts = _prompts()[:4]
+    victim = 7777 % 300
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=4096))
+    layer = rt.runner.model.layers[2].linear_attn
+    real = GatedDeltaNet.forward
+
+    def failing(self, x, batch):
+        if self is layer and bool((batch.input_ids == victim).any()):
+            raise RuntimeError("injected failure in layer 2")
+        return real(self, x, batch)
+
+    monkeypatch.setattr(GatedDeltaNet, "forward", failing)
+    d = Driver(rt)
+    rids = [d.add(p, max_new_tokens=12, temperature=0.0, ignore_eos=True) for p in prompts]
+    bad = d.add([5, 6, victim, 8], max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    d.run()
+    rt.scheduler.check_accounting()
+    assert d.results[bad].meta_info["finish_reason"]["type"] == "abort"
+    assert "injected failure" in d.results[bad].meta_info["finish_reason"]["message"]
+    for prompt, rid in zip(prompts, rids):
+        assert hf_greedy_divergence(references("qwen3_5"), prompt, d.results[rid].output_ids) is None
+
+
+def _generate(d: Driver, prompt: list[int], **params) -> object:
+    rid = d.add(prompt, max_new_tokens=params.pop("max_new_tokens", 10), temperature=0.0, ignore_eos=True, return_cache_info=True, **params)
+    d.run()
+    return d.results[rid]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefixes_resume_from_snapshots_and_stop_where_none_is(page_size, hybrid_dirs, references):
+    """A shared system prompt: the first request snapshots its own prompt, the second finds the
+    shared KV but no snapshot at the branch point (it recomputes, and leaves one there), the third
+    resumes at the branch point; a follow-up turn resumes at the end of the turn before it. Every
+    output is transformers' greedy continuation."""
+    rng = random.Random(9)
+    system = [rng.randrange(3, 390) for _ in range(37)]
+    questions = [[rng.randrange(3, 390) for _ in range(n)] for n in (11, 6, 9)]
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=4096, page_size=page_size))
+    d = Driver(rt)
+    hf = references("qwen3_5")
+    results = []
+    for q in questions:
+        results.append(_generate(d, system + q))
+        assert hf_greedy_divergence(hf, system + q, results[-1].output_ids) is None
+        rt.scheduler.check_accounting()
+    branch = len(system) // page_size * page_size  # the questions share no first token
+    first, second, third = (r.meta_info for r in results)
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == 0 and second["cache_info"]["miss"] == {"stopped_at": 0, "reason": "no_snapshot", "cached_kv_tokens": branch}
+    assert third["cached_tokens"] == branch
+    turn = system + questions[2] + results[2].output_ids + [7, 8, 9]
+    follow = _generate(d, turn)
+    assert follow.meta_info["cached_tokens"] == (len(turn) - 4) // page_size * page_size  # up to the last turn's KV (its last token's was never computed)
+    assert hf_greedy_divergence(hf, turn, follow.output_ids) is None
+    rt.scheduler.check_accounting()
+
+
+def test_snapshots_are_dropped_with_their_nodes_and_for_room(hybrid_dirs):
+    """The store keeps at most its capacity (least recently used snapshots give way), and a node
+    evicted from the tree frees its snapshot; the accounting stays whole through both."""
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=512, max_running_requests=4))
+    snapshots = rt.kv.tree.snapshots
+    d = Driver(rt)
+    rng = random.Random(3)
+    for _ in range(3 * snapshots.capacity):
+        _generate(d, [rng.randrange(3, 390) for _ in range(rng.randrange(20, 60))], max_new_tokens=4)
+        rt.scheduler.check_accounting()
+    assert len(snapshots) <= snapshots.capacity and snapshots.dropped > 0
+    rt.kv.tree.evict(rt.kv.tree.evictable_size())
+    assert len(snapshots) == 0
+    rt.scheduler.check_accounting()
+
+
+def test_hybrid_models_refuse_what_their_states_cannot_do_yet(hybrid_dirs):
+    path = hybrid_dirs["qwen3_5"]
+    with pytest.raises(ValueError, match="tp-size"):
+        radixlm.Engine(model_path=path, max_total_tokens=256, tp_size=2)
+    with pytest.raises(ValueError, match="disaggregation_mode"):
+        build_parts(ServerArgs(model_path=path, max_total_tokens=256, disaggregation_mode="prefill"))
+
+
+def test_hybrid_kv_pool_holds_only_the_attention_layers(hybrid_dirs):
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_next"], max_total_tokens=256))
+    cfg = rt.runner.config
+    assert (cfg.num_layers, cfg.kv_layers, cfg.linear_layers) == (4, 1, 3)
+    assert rt.runner.kv_pool.num_layers == 1
+    pool = rt.runner.state_pool
+    assert pool.state.shape == (3, rt.kv.table.max_requests, 4, 16, 8)  # layers, rows, value heads, key dim, value dim
+    assert pool.conv.shape == (3, rt.kv.table.max_requests, 2 * 2 * 16 + 4 * 8, 3)
+
+
+# ------------------------------------------------------------------ the layer's pieces
+
+
+def _random_rule_inputs(n: int, heads: int = 3, dk: int = 8, dv: int = 5, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(n, heads, dk, generator=gen)) * dk**-0.5
+    k = l2norm(torch.randn(n, heads, dk, generator=gen))
+    v = torch.randn(n, heads, dv, generator=gen)
+    g = -torch.rand(n, heads, generator=gen) * 2
+    beta = torch.rand(n, heads, generator=gen)
+    state = torch.randn(heads, dk, dv, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 100, 129])
+def test_chunked_delta_rule_equals_the_token_by_token_recurrence(n):
+    q, k, v, g, beta, state = _random_rule_inputs(n)
+    out, final = delta_rule_chunked(q, k, v, g, beta, state)
+    want, states = delta_rule_recurrent(q[None], k[None], v[None], g[None], beta[None], state[None])
+    torch.testing.assert_close(out, want[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(final, states[0, -1], atol=2e-5, rtol=2e-5)
+
+
+def test_chunked_delta_rule_equals_transformers_reference():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    q, k, v, g, beta, state = _random_rule_inputs(90, seed=3)
+    # transformers scales q itself: give it unscaled queries
+    want, want_state = torch_chunk_gated_delta_rule(
+        q[None] * 8**0.5, k[None], v[None], g[None], beta[None], initial_state=state[None], output_final_state=True
+    )
+    out, final = delta_rule_chunked(q, k, v, g, beta, state)
+    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_state[0], atol=1e-5, rtol=1e-5)
+
+
+class _Batch:
+    """The few ForwardBatch fields a StatePool reads."""
+
+    def __init__(self, rows: list[int], prefix: list[int], extend: list[int], keeps: list[int]) -> None:
+        self.req_rows = torch.tensor(rows)
+        self.prefix_lens, self.extend_lens, self._keeps = prefix, extend, keeps
+        self.seq_lens = [p + e for p, e in zip(prefix, extend)]
+        self.batch_size = len(rows)
+
+    def state_keep(self, i: int) -> int:
+        return self._keeps[i]
+
+
+def test_state_pool_commits_the_state_at_the_kept_length_and_nothing_from_an_uncommitted_pass():
+    pool = StatePool(rows=4, layers=2, conv_shape=(3, 2), state_shape=(2, 2, 2), conv_dtype=torch.float32)
+    batch = _Batch(rows=[2, 0], prefix=[10, 0], extend=[4, 6], keeps=[4, 1])
+    pool.begin(batch)
+    for layer in range(2):
+        pool.stage(layer, 0, torch.arange(4.0).reshape(4, 1, 1).expand(4, 3, 2) + layer, torch.arange(4.0).reshape(4, 1, 1, 1).expand(4, 2, 2, 2))
+        pool.stage(layer, 1, torch.full((1, 3, 2), 9.0), torch.full((1, 2, 2, 2), 9.0))
+    pool.commit([12, 6])  # row 2 kept 12 of 14 positions: the state after its second new token
+    assert torch.all(pool.state[:, 2] == 1) and torch.all(pool.conv[0, 2] == 1) and torch.all(pool.conv[1, 2] == 2)
+    assert torch.all(pool.state[:, 0] == 9)
+    with pytest.raises(ValueError, match="kept"):
+        pool.begin(batch)
+        for layer in range(2):
+            pool.stage(layer, 0, torch.zeros(4, 3, 2), torch.zeros(4, 2, 2, 2))
+            pool.stage(layer, 1, torch.zeros(1, 3, 2), torch.zeros(1, 2, 2, 2))
+        pool.commit([10, 6])  # before the row's first new token: no state was staged there
+    pool.begin(batch)  # a pass that raised and never committed leaves the committed states alone
+    conv, state = pool.read(0, batch)
+    assert torch.all(state[0] == 1) and torch.all(state[1] == 0)  # row 0 of the batch starts its sequence: zeros
+
+
+def test_a_row_restored_from_a_snapshot_forgets_its_previous_requests_page_boundary():
+    """With pages of 4, a row's states at its last page boundary serve its request's snapshot at
+    release; a new request restored into that row must not be handed the old request's."""
+    from radixlm.radix_cache.state_snapshots import StateSnapshots
+    from radixlm.radix_cache.tree import TreeNode
+
+    pool = StatePool(rows=2, layers=1, conv_shape=(2, 1), state_shape=(1, 1, 1), conv_dtype=torch.float32, page_size=4)
+    batch = _Batch(rows=[1], prefix=[6], extend=[3], keeps=[3])  # positions 6, 7, 8: the state after 8 is on a boundary
+    pool.begin(batch)
+    pool.stage(0, 0, torch.arange(3.0).reshape(3, 1, 1).expand(3, 2, 1), torch.arange(3.0).reshape(3, 1, 1, 1))
+    pool.commit([9])
+    assert pool.state_at(1, 8) is not None and float(pool.state_at(1, 8)[1].sum()) == 1.0
+    snapshots = StateSnapshots(pool, capacity=1)
+    node = TreeNode()
+    snapshots.take(node, torch.full((1, 2, 1), 5.0), torch.full((1, 1, 1, 1), 5.0))
+    snapshots.restore(node, 1, 4)  # another request, resumed after 4 tokens of its own
+    assert pool.state_at(1, 8) is None and float(pool.state_at(1, 4)[1].sum()) == 5.0
