@@ -90,6 +90,8 @@ class Family:
             kw["layer_types"] = _every(n, 2, "full_attention", "sliding_attention")
         elif self.key == "smollm3":  # every 4th layer without RoPE
             kw["no_rope_layers"] = _every(n, 4, 0, 1)
+        elif self.key == "qwen3_5":  # three Gated DeltaNet layers, then one full-attention layer
+            kw["layer_types"] = _every(n, 4, "full_attention", "linear_attention")
         return {**kw, **SPECIAL_IDS}
 
 
@@ -140,9 +142,17 @@ FAMILIES = {
             num_key_value_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5, hidden_act="silu",
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=4096, tie_word_embeddings=False,
         ), layers=2, quick=dict(head_dim=16)),
+        Family("qwen3_5", "Qwen/Qwen3.5-0.8B (text model)", "Qwen3_5TextConfig", dict(
+            vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
+            hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            attention_bias=False, tie_word_embeddings=True,
+        ), quick=dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
     ]
 }  # fmt: skip
-DEFAULT_FAMILIES = [k for k in FAMILIES if k != "llama"]  # Llama-3.2-1B is benchmarks/checkpoints.py's real-shaped model
+# Llama-3.2-1B is benchmarks/checkpoints.py's real-shaped model, Qwen3.5-0.8B benchmarks/hybrid.py's
+DEFAULT_FAMILIES = [k for k in FAMILIES if k not in ("llama", "qwen3_5")]
 
 
 @dataclass(frozen=True)
@@ -212,8 +222,9 @@ def build(family: str, quick: bool, folder: str, threads: int) -> dict:
                 p.normal_(0, std)
             elif name.endswith("bias"):
                 p.normal_(0, 0.02)
-            else:  # norms: Gemma's store w for a (1 + w) scale
-                p.normal_(0.0 if "gemma" in family else 1.0, 0.1)
+            else:  # norms: Gemma's and Qwen3.5's store w for a (1 + w) scale (not Qwen3.5's gated output norm)
+                offset = ("gemma" in family or family == "qwen3_5") and not name.endswith("linear_attn.norm.weight")
+                p.normal_(0.0 if offset else 1.0, 0.1)
     model.save_pretrained(str(out))
     params = sum(p.numel() for p in model.parameters())
     return {"params": params, "fp32_bytes": 4 * params, "layers": cfg.num_hidden_layers}

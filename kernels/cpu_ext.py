@@ -94,7 +94,7 @@ def build_folder(files: list[Path] | None = None, root: Path | None = None) -> P
 
 
 def cpu_kernels() -> ModuleType | None:
-    """The compiled extension module (paged_decode, quantize_into, add_rms_norm, silu_mul, gelu_tanh_mul, rope, q4_linear, DecodeStack), or None when it cannot be built here.
+    """The compiled extension module (paged_decode, quantize_into, add_rms_norm, silu_mul, gelu_tanh_mul, rope, q4_linear, gated_delta_decode, DecodeStack...), or None when it cannot be built here.
 
     The first call builds (or finds) it; later calls return the same answer at once.
     """

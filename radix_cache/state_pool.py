@@ -16,12 +16,22 @@ whose request starts over (a new prompt, or one retracted) begins from zeros.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from radixlm.runtime.layers.forward_batch import ForwardBatch
+
+class PassRows(Protocol):
+    """What the pool reads of a forward pass (``radixlm.runtime.layers.forward_batch.ForwardBatch``)."""
+
+    req_rows: torch.Tensor  # [B] request-table rows
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    batch_size: int
+    seq_lens: list[int]
+
+    def state_keep(self, row: int) -> int:
+        """After how many of row ``row``'s last tokens a state is staged."""
 
 
 class StatePool:
@@ -56,6 +66,7 @@ class StatePool:
         self._batch_extend: list[int] = []
         self._staged: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(layers)]
         self._marked: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(layers)]
+        self._scratch: list[torch.Tensor | None] = [None] * layers  # per layer: the decode step's new states, reused pass to pass
 
     def nbytes(self) -> int:
         """Bytes the pool holds."""
@@ -68,7 +79,7 @@ class StatePool:
         conv = torch.Size(conv_shape).numel() * torch.empty((), dtype=conv_dtype).element_size()
         return layers * (conv + torch.Size(state_shape).numel() * 4) * (1 if page_size == 1 else 2)
 
-    def begin(self, batch: ForwardBatch) -> None:
+    def begin(self, batch: PassRows) -> None:
         """Start a pass over ``batch``: forget anything staged by a pass that never committed."""
         self._batch_rows = batch.req_rows.tolist()
         self._index = {row: i for i, row in enumerate(self._batch_rows)}
@@ -81,16 +92,38 @@ class StatePool:
         for staged in (*self._staged, *self._marked):
             staged.clear()
 
-    def read(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed conv and recurrent states of ``batch``'s rows in ``layer`` (zeros for a row
-        that starts its sequence): ``[B, *conv_shape]``, ``[B, *state_shape]``, copies."""
+    def read(self, layer: int, batch: PassRows, states_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed conv states of ``batch``'s rows in ``layer`` and recurrent states of its rows
+        ``states_from`` on (zeros for a row that starts its sequence): ``[B, *conv_shape]``,
+        ``[B - states_from, *state_shape]``, copies. (A kernel reads the first rows' recurrent
+        states where they lie instead: ``in_place``.)"""
         rows = batch.req_rows.to(self.conv.device)
-        conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, rows)
+        conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, rows[states_from:])
         fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
         if fresh:
             conv[fresh] = 0
-            state[fresh] = 0
+            fresh_states = [i - states_from for i in fresh if i >= states_from]
+            if fresh_states:
+                state[fresh_states] = 0
         return conv, state
+
+    def in_place(self, layer: int, batch: PassRows, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed recurrent states of ``layer`` where the pool holds them, ``[rows,
+        *state_shape]`` (to read only: they change at ``commit`` alone), and for each of
+        ``batch``'s first ``n`` rows the pool row of its state (int64 ``[n]``; -1 for a row that
+        starts its sequence: its state is zeros)."""
+        rows = batch.req_rows[:n].to(device="cpu", dtype=torch.int64, copy=True)
+        rows[[i for i in range(n) if batch.prefix_lens[i] == 0]] = -1
+        return self.state[layer], rows
+
+    def scratch(self, layer: int, rows: int) -> torch.Tensor:
+        """Room for ``rows`` new recurrent states of ``layer`` in this pass (``[rows, *state_shape]``,
+        contents undefined), kept from pass to pass: a fresh allocation of that size each layer
+        step costs more in page faults than the decode step itself. Valid until the next pass begins."""
+        buf = self._scratch[layer]
+        if buf is None or buf.shape[0] < rows:
+            buf = self._scratch[layer] = torch.empty((rows, *self.state.shape[2:]), dtype=self.state.dtype, device=self.state.device)
+        return buf[:rows]
 
     def stage(self, layer: int, index: int, conv: torch.Tensor, state: torch.Tensor) -> None:
         """Batch row ``index``'s states after each of its last ``state_keep`` tokens in ``layer``:

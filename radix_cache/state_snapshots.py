@@ -21,14 +21,18 @@ frees its snapshot.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from radixlm.radix_cache.state_pool import StatePool
 
-if TYPE_CHECKING:
-    from radixlm.radix_cache.tree import TreeNode
+
+class TreeNode(Protocol):
+    """What the store reads and sets on a node of the radix tree (``radixlm.radix_cache.tree.TreeNode``)."""
+
+    snapshot: int | None
+    last_access: int
 
 
 class StateSnapshots:

@@ -306,7 +306,7 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
 
 def metadata_gguf(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
     """A GGUF file of ``arch`` with only metadata (``kv``: key suffix -> value, over a small
-    dense model's) and a token table."""
+    dense model's; None: the key left out) and a token table."""
     from gguf import GGUFWriter
 
     w = GGUFWriter(str(path), arch)
@@ -314,6 +314,8 @@ def metadata_gguf(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
             "attention.head_count_kv": 2, "attention.key_length": 16, "attention.layer_norm_rms_epsilon": 1e-6}  # fmt: skip
     for key, value in {**base, **kv}.items():
         name = key if key.startswith("tokenizer.") else f"{arch}.{key}"
+        if value is None:
+            continue
         if isinstance(value, list):
             w.add_array(name, value)
         elif isinstance(value, str):
@@ -328,3 +330,173 @@ def metadata_gguf(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
     w.write_tensors_to_file()
     w.close()
     return str(path)
+
+
+HYBRID_GGUF_ARCHS = {"Qwen3_5ForCausalLM": "qwen35", "Qwen3NextForCausalLM": "qwen3next"}  # HF class -> llama.cpp architecture
+
+
+def _tiled(w: np.ndarray, heads: int, per: int, width: int, axis: int = 0) -> np.ndarray:
+    """``_LinearAttentionVReorderBase._reorder_v_heads``: value heads (``width`` each along ``axis``)
+    from grouped by key head (``[k0: v0 v1, k1: v0 v1]``) to tiled (``[k0 v0, k1 v0, k0 v1, k1 v1]``)."""
+    w = np.moveaxis(w, axis, 0)
+    rest = w.shape[1:]
+    w = w.reshape(heads, per, width, *rest).swapaxes(0, 1).reshape(heads * per * width, *rest)
+    return np.moveaxis(w, 0, axis)
+
+
+def _hybrid_layout(name: str, arr: np.ndarray, arch: str, cfg: dict, ssm_in: bool) -> list[tuple[str, np.ndarray]]:
+    """Where the converter moves one HF tensor's elements (``Qwen3NextModel.modify_tensors``, for
+    Qwen3.5 after ``_LinearAttentionVReorderBase``'s): value heads tiled (Qwen3.5), the convolution
+    squeezed, ``dt_bias`` renamed, Qwen3-Next's ``in_proj_qkvz`` split into q/k/v and z rows (kept
+    whole where ``ssm_in``, as older files). HF names (``dt_proj.bias``, ``in_proj_qkv`` ...) out."""
+    heads, values = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    per, dk, dv = values // heads, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    keys = 2 * heads * dk
+    if arch == "qwen35" and per > 1 and ".linear_attn." in name:
+        if name.endswith("in_proj_qkv.weight"):
+            arr = np.concatenate([arr[:keys], _tiled(arr[keys:], heads, per, dv)])
+        elif name.endswith("in_proj_z.weight"):
+            arr = _tiled(arr, heads, per, dv)
+        elif name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
+            arr = _tiled(arr, heads, per, 1)
+        elif name.endswith("conv1d.weight"):
+            arr = arr.reshape(arr.shape[0], -1)
+            arr = np.concatenate([arr[:keys], _tiled(arr[keys:], heads, per, dv)])
+        elif name.endswith("out_proj.weight"):
+            arr = _tiled(arr, heads, per, dv, axis=1)
+    if name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        arr = arr.reshape(arr.shape[0], -1)
+    if name.endswith("in_proj_qkvz.weight") and not ssm_in:
+        q, k, v, z = np.split(arr.reshape(heads, -1, arr.shape[-1]), np.cumsum([dk, dk, per * dv]), axis=1)
+        prefix = name.removesuffix("in_proj_qkvz.weight")
+        qkv = np.concatenate([t.reshape(-1, arr.shape[-1]) for t in (q, k, v)])
+        return [(prefix + "in_proj_qkv.weight", qkv), (prefix + "in_proj_z.weight", z.reshape(-1, arr.shape[-1]))]
+    return [(name, arr)]
+
+
+def _fused_qkv(tensors: dict[str, np.ndarray], layer_types: list[str]) -> dict[str, np.ndarray]:
+    """``--fuse-qkv``: each full-attention layer's q (with its gates), k and v rows as one ``attn_qkv``."""
+    out = dict(tensors)
+    for i, kind in enumerate(layer_types):
+        if kind == "full_attention":
+            parts = [out.pop(f"model.layers.{i}.self_attn.{p}_proj.weight") for p in "qkv"]
+            out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(parts)
+    return out
+
+
+def hybrid_gguf_layout(hf_folder: str, tensors: dict[str, np.ndarray], ssm_in: bool = False, fuse_qkv: bool = False) -> dict[str, np.ndarray]:
+    """``tensors`` (the checkpoint's, by HF name; values or element indices) as the converter lays
+    them out in the GGUF file, by GGUF name: no value changed (``write_hybrid_gguf`` does that)."""
+    import gguf
+
+    cfg = json.loads((Path(hf_folder) / "config.json").read_text())
+    arch = HYBRID_GGUF_ARCHS[cfg["architectures"][0]]
+    tensors = dict(tensors)
+    moe = _experts_as_written(tensors, "merged")  # takes the experts and routers out of ``tensors``
+    if fuse_qkv:
+        tensors = _fused_qkv(tensors, cfg["layer_types"])
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), cfg["num_hidden_layers"])
+    out = {}
+    for hf, arr in tensors.items():
+        for name, part in _hybrid_layout(hf, arr, arch, cfg, ssm_in):
+            if name.startswith("blk."):
+                out[name] = part
+            elif name.endswith((".weight", ".bias")):
+                base, kind = name.rsplit(".", 1)
+                out[f"{names.get_name(base)}.{kind}"] = part
+            else:  # A_log: no suffix
+                out[names.get_name(name)] = part
+    return {**out, **moe}
+
+
+def hybrid_type(name: str, arr: np.ndarray, outtype: str) -> str:
+    """The GGML type the converter gives a tensor at ``--outtype`` F32 or Q8_0: 1-D ones, norms,
+    routers, the convolution and tensors not named ``.weight`` in F32; Q8_0 where rows are whole
+    blocks of 32, else F16 (its fall-back)."""
+    kinds = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+    if outtype == "F32" or arr.ndim <= 1 or name.endswith(("_norm.weight", *kinds)) or not name.endswith(".weight"):
+        return "F32"
+    return outtype if arr.shape[-1] % 32 == 0 else "F16"
+
+
+def _mtp_block(tensors: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:
+    """An MTP block as the converter writes a checkpoint's ``mtp.*`` (``_QwenMtpMixin``): block
+    ``num_hidden_layers``, a full-attention layer (here the last one's tensors, halved) plus its
+    ``nextn`` tensors."""
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    last = max(i for i, kind in enumerate(cfg["layer_types"]) if kind == "full_attention")
+    out = {f"blk.{n}.{name.split('.', 2)[2]}": arr * np.float32(0.5) for name, arr in tensors.items() if name.startswith(f"blk.{last}.")}
+    rng = np.random.default_rng(0)
+    out[f"blk.{n}.nextn.eh_proj.weight"] = rng.normal(0, 0.2, (hidden, 2 * hidden)).astype(np.float32)
+    out.update({f"blk.{n}.nextn.{norm}.weight": rng.normal(1, 0.3, hidden).astype(np.float32) for norm in ("enorm", "hnorm", "shared_head_norm")})
+    return out
+
+
+def write_hybrid_gguf(hf_folder: str, out: Path, outtype: str = "F32", ssm_in: bool = False, fuse_qkv: bool = False, mtp: bool = False) -> Path:
+    """The tiny Qwen3.5 or Qwen3-Next checkpoint in ``hf_folder`` as llama.cpp's converter writes it
+    (``convert_hf_to_gguf.py --outtype f32|q8_0 --no-mtp``; ``--fuse-qkv`` where ``fuse_qkv``): its
+    metadata keys, ``hybrid_gguf_layout``'s tensors with ``A_log`` as ``-exp(A_log)`` and every norm
+    but ``linear_attn.norm`` as ``1 + w``, each in ``hybrid_type``'s type. ``ssm_in``: Qwen3-Next's
+    ``in_proj_qkvz`` whole, as files from before the converter split it. ``mtp``: with one MTP block
+    after the model's layers (``_mtp_block``), as the converter writes a checkpoint that has one."""
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(hf_folder) / "config.json").read_text())
+    arch = HYBRID_GGUF_ARCHS[cfg["architectures"][0]]
+    w = GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"] + mtp)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch == "qwen3next":
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    if arch == "qwen3next":  # Qwen2MoeModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    if mtp:
+        w.add_nextn_predict_layers(1)
+    recurrent = [t == "linear_attention" for t in cfg["layer_types"]] + [False] * mtp
+    w.add_array(f"{arch}.attention.recurrent_layers", recurrent)  # gguf 0.19 has no add_recurrent_layers
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
+    if arch == "qwen35":  # _Qwen35MRopeMixin: the default sections where the config has none
+        w.add_rope_dimension_sections(cfg["rope_parameters"].get("mrope_section", [11, 11, 10, 0]))
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id), ("pad_token_id", w.add_pad_token_id)):
+        if isinstance(cfg.get(key), int):
+            add(cfg[key])
+
+    tensors = {k: t.float().numpy() for k, t in load_file(str(Path(hf_folder) / "model.safetensors")).items()}
+    layout = hybrid_gguf_layout(hf_folder, tensors, ssm_in, fuse_qkv)
+    if mtp:
+        layout.update(_mtp_block(layout, cfg))
+    for name, arr in layout.items():
+        if name.endswith(".ssm_a"):  # in torch, as the converter computes it
+            arr = (-torch.exp(torch.from_numpy(arr))).numpy()
+        elif name.endswith("norm.weight") and not name.endswith(".ssm_norm.weight"):
+            arr = arr + np.float32(1)
+        qtype = hybrid_type(name, arr, outtype)
+        if qtype == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            _gguf_tensor(w, name, arr, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

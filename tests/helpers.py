@@ -159,16 +159,16 @@ def _family_config(arch: str, common: dict):
     )
 
     if arch in HYBRID_ARCHS:  # three Gated DeltaNet layers, then gated full attention; 2 key heads serving 4 value heads
-        hybrid = dict(
-            head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_conv_kernel_dim=4, **{**common, "num_hidden_layers": 4},
-        )  # fmt: skip
+        hybrid = {  # overrides reach these too
+            **dict(head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_conv_kernel_dim=4),
+            **common, "num_hidden_layers": 4,
+        }  # fmt: skip
         if arch == "qwen3_5":
             return Qwen3_5TextConfig(tie_word_embeddings=False, **hybrid)
-        # routed experts plus the gated shared expert, and one dense MLP layer
-        return Qwen3NextConfig(
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1], **hybrid
-        )  # fmt: skip
+        # routed experts plus the gated shared expert, and one dense MLP layer (unless overridden)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1])
+        return Qwen3NextConfig(**{**moe, **hybrid})
     if arch == "qwen3":  # head_dim apart from hidden / heads
         return Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
     if arch == "gemma2":  # soft-caps small enough to bend random scores and logits

@@ -311,3 +311,83 @@ def test_a_row_restored_from_a_snapshot_forgets_its_previous_requests_page_bound
     snapshots.take(node, torch.full((1, 2, 1), 5.0), torch.full((1, 1, 1, 1), 5.0))
     snapshots.restore(node, 1, 4)  # another request, resumed after 4 tokens of its own
     assert pool.state_at(1, 8) is None and float(pool.state_at(1, 4)[1].sum()) == 5.0
+
+
+@pytest.mark.parametrize(
+    "option",
+    [{"quantization": "int8"}, {"quantization": "int4"}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": "bfloat16"}, {"dtype": "bfloat16"}],
+)
+def test_hybrid_models_run_with_quantized_weights_kv_and_bf16(option, hybrid_dirs):
+    """Weight quantization reaches the DeltaNet projections (the conv and decays stay as stored),
+    the KV dtypes apply to the attention layers, and bf16 activations keep the states in fp32."""
+    prompts = _prompts()[:4]
+    with radixlm.Engine(model_path=hybrid_dirs["qwen3_next"], max_total_tokens=1024, **option) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+        again = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+        engine.check_accounting()
+    assert [len(o["output_ids"]) for o in outs] == [12] * len(prompts)
+    if "dtype" not in option:  # (bf16 activations: a resumed row rounds differently from a whole prompt's pass)
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # resumed from snapshots, same tokens
+    assert sum(o["meta_info"]["cached_tokens"] for o in again) > 0
+
+
+def test_parallel_samples_of_one_prompt_share_its_snapshot(hybrid_dirs, references):
+    """``n`` > 1 greedy samples of one prompt: every sample is transformers' continuation, and the
+    samples after the first resume from the prompt's snapshot."""
+    prompt = _prompts()[3]
+    with radixlm.Engine(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=1024) as engine:
+        outs = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True, "n": 3})
+        engine.check_accounting()
+    assert len(outs) == 3
+    for out in outs:
+        assert hf_greedy_divergence(references("qwen3_5"), prompt, out["output_ids"]) is None
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0, len(prompt) - 1, len(prompt) - 1]
+
+
+def test_a_failing_state_commit_fails_its_pass_requests_and_the_engine_goes_on(hybrid_dirs, references, monkeypatch):
+    """Where committing a pass's states raises, that pass's running requests fail with the error;
+    the engine keeps serving, and what it serves next is still exact."""
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=1024))
+    d = Driver(rt)
+    real = StatePool.commit
+    calls = {"n": 0}
+
+    def failing(self, kept):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected commit failure")
+        return real(self, kept)
+
+    monkeypatch.setattr(StatePool, "commit", failing)
+    first = d.add(_prompts()[2], max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    d.run()
+    rt.scheduler.check_accounting()
+    reason = d.results[first].meta_info["finish_reason"]
+    assert reason["type"] == "abort" and "injected commit failure" in reason["message"]
+    later = _generate(d, _prompts()[3])
+    assert hf_greedy_divergence(references("qwen3_5"), _prompts()[3], later.output_ids) is None
+    rt.scheduler.check_accounting()
+
+
+def test_the_text_model_of_a_vision_language_qwen3_5_checkpoint_runs(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` checkpoint (text under ``model.language_model``, its
+    config under ``text_config``, a vision tower beside it) serves its text model."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from helpers import make_tokenizer
+
+    text = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, num_position_embeddings=16, patch_size=2, spatial_merge_size=2, temporal_patch_size=1)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() >= 2 else 0.3)
+    make_tokenizer(tmp_path)
+    model.save_pretrained(tmp_path)
+    prompt = _prompts()[3]
+    outputs, _ = run_scenario(str(tmp_path), [prompt], {}, "one_by_one", max_new_tokens=10)
+    assert hf_greedy_divergence(model, prompt, outputs[0]) is None

@@ -30,5 +30,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_add", &lora_add, "out[s:e, lo:lo+n] += (x[s:e] @ A) @ B for each segment's adapter (A [in, R], R a multiple of 16; B parts [r, n]), in place",
         py::arg("x"), py::arg("out"), py::arg("starts"), py::arg("ends"), py::arg("a"), py::arg("b"), py::arg("cols"),
         py::arg("part_lo"));
+  m.def("gated_delta_decode", &gated_delta_decode,
+        "One decode step of the gated delta rule: q, k [B, Hk, dk], v [B, H, dv], g and beta [B, H], states [N, H, dk, dv] "
+        "(read at rows [B], negative: zeros); returns (o [B, H, dv], the new states [B, H, dk, dv] in out_state)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("rows") = py::none(),
+        py::arg("out_state") = py::none());
   bind_decode_stack(m);
 }

@@ -25,4 +25,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor sc
 void lora_add(torch::Tensor x, torch::Tensor out, std::vector<int64_t> starts, std::vector<int64_t> ends,
               std::vector<torch::Tensor> a, std::vector<torch::Tensor> b, std::vector<int64_t> cols,
               std::vector<int64_t> part_lo);
+std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
+                                              torch::Tensor beta, torch::Tensor state, c10::optional<torch::Tensor> rows,
+                                              c10::optional<torch::Tensor> out_state);
 void bind_decode_stack(pybind11::module& m);

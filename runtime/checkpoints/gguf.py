@@ -7,6 +7,8 @@ the blocks they are (a row of blocks is a row of the matrix)."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -19,6 +21,11 @@ from tqdm.auto import tqdm
 
 from radixlm.runtime.checkpoints.base import Checkpoint
 from radixlm.runtime.checkpoints.folder import safetensors_tensors
+from radixlm.runtime.checkpoints.gguf_hybrid import (
+    HYBRID_ARCHITECTURES,
+    hybrid_config,
+    hybrid_weights,
+)
 from radixlm.runtime.checkpoints.gguf_names import (
     ARCHITECTURES,
     EXPERT_ARCHITECTURES,
@@ -64,7 +71,8 @@ def _f32(value: float) -> float:
 def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any]:
     """The Hugging Face ``config.json`` dictionary (transformers 5 names) a GGUF file describes:
     its metadata, llama.cpp's fixed rules where the file says nothing (Gemma's layer patterns
-    and attention scale, SmolLM3's RoPE-less layers), and Phi-3's longrope factor tensors."""
+    and attention scale, SmolLM3's RoPE-less layers, the hybrids' linear-attention layers), and
+    Phi-3's longrope factor tensors."""
     r = reader or gguf_reader(path)
     arch = _field(r, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -77,10 +85,11 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
     experts = int(get("expert_count") or 0)
     if experts and arch not in EXPERT_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} with experts; radixlm runs experts of {', '.join(sorted(EXPERT_ARCHITECTURES))}")
-    if not experts and arch == "qwen3moe":
-        raise ValueError("GGUF file of architecture 'qwen3moe' without qwen3moe.expert_count")
+    if not experts and arch in ("qwen3moe", "qwen3next"):
+        raise ValueError(f"GGUF file of architecture {arch!r} without {arch}.expert_count")
     hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
-    head_dim = get("attention.key_length") or (None if arch == "phi3" else get("rope.dimension_count")) or hidden // heads
+    partial_rope = arch == "phi3" or arch in HYBRID_ARCHITECTURES  # rope.dimension_count: part of a head
+    head_dim = get("attention.key_length") or (None if partial_rope else get("rope.dimension_count")) or hidden // heads
     embed = tensors.get("token_embd.weight")
     vocab = int(embed.shape[1]) if embed is not None else get("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
     hf_class, model_type = WITH_EXPERTS[arch] if experts and arch in WITH_EXPERTS else ARCHITECTURES[arch]
@@ -110,6 +119,8 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
                    use_sliding_window=False, sliding_window=None)  # fmt: skip
     elif arch in ("qwen3", "qwen3moe"):
         cfg.update(use_sliding_window=False, sliding_window=None)
+    elif arch in HYBRID_ARCHITECTURES:
+        cfg.update(hybrid_config(arch, get, cfg))
     if experts:
         cfg.update(_experts(arch, get, cfg, experts))
     if "hidden_activation" not in cfg:  # Gemma names its GELU so; the rest run SiLU
@@ -256,14 +267,21 @@ class _Weight(NamedTuple):
 
 def _weights(path: str, reader) -> tuple[dict[str, Any], str, list[_Weight]]:
     """The file's HF config, its architecture, and each weight under its HF name, merged expert
-    tensors split into one weight per expert and projection (views of the file, not copies)."""
+    tensors split into one weight per expert and projection (views of the file, not copies; a
+    hybrid's tensors in Hugging Face's form, ``gguf_hybrid``), layers past the model's (MTP) left out."""
     cfg = gguf_hf_config(path, reader)
     arch = _field(reader, "general.architecture")
     weights = []
     for t in reader.tensors:
+        block = t.name.split(".")
+        if block[0] == "blk" and int(block[1]) >= cfg["num_hidden_layers"]:
+            continue
         parts = gguf_expert_names(t.name, arch)
         if parts is not None:
             weights.extend(_split_experts(t, parts, cfg.get("num_experts") or cfg.get("num_local_experts") or 0))
+            continue
+        if arch in HYBRID_ARCHITECTURES:
+            weights.extend(_Weight(t.name, hf, qtype, data, int(t.shape[0])) for hf, qtype, data in hybrid_weights(t.name, t.tensor_type, t.data, arch, cfg))
             continue
         hf = gguf_to_hf_name(t.name, arch)
         if hf is not None:
@@ -315,9 +333,19 @@ def _dequantized_tensors(path: str) -> tuple[dict[str, Any], dict[str, torch.Ten
     return hf_cfg, tensors
 
 
+@functools.cache
+def _loader_digest() -> str:
+    """A digest of the code that turns GGUF tensors into HF ones: a cached dequantization made by
+    other code (an older radixlm) is never served."""
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("gguf*.py")):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def _dequantized(path: str) -> Checkpoint:
     """Config and weights of a GGUF file, dequantized once and kept in the disk cache."""
-    entry = entry_for(path, "weights")
+    entry = entry_for(path, f"weights-{_loader_digest()}")
     size = os.path.getsize(path)
     if (entry / "config.json").is_file() and (entry / "model.safetensors").is_file():
         try:

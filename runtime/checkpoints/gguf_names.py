@@ -4,7 +4,8 @@ tensor names, and which tensors llama.cpp's converter (``convert_hf_to_gguf.py``
 The converter writes q/k rows of the Llama-style architectures in an interleaved RoPE order,
 adds 1 to every Gemma norm weight (Gemma's RMSNorm scales by ``1 + w``), keeps Phi-3's fused
 ``qkv_proj`` and ``gate_up_proj`` whole (``attn_qkv``, ``ffn_up``), and stores Phi-3's longrope
-factors and Llama 3's RoPE frequency factors as tensors (config, not weights, here).
+factors and Llama 3's RoPE frequency factors as tensors (config, not weights, here). What it
+changed in the hybrid families (Qwen3-Next, Qwen3.5) is undone in ``gguf_hybrid``.
 
 Mixtures of experts (``qwen3moe``; Mixtral, which the converter writes as ``llama`` with an
 ``expert_count``) keep the router as ``ffn_gate_inp`` and every expert of a layer in one 3-D tensor
@@ -26,6 +27,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {  # GGUF architecture -> (HF class,
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
 }
 WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("MixtralForCausalLM", "mixtral")}  # files with an expert_count
 ROPE_PERMUTED = frozenset({"llama", "mistral", "smollm3"})  # q/k rows in llama.cpp's interleaved order
@@ -63,11 +66,33 @@ _PHI3 = {
     "ffn_up": "mlp.gate_up_proj",  # gate rows then up rows, as HF's Phi3MLP splits them
     "ffn_down": "mlp.down_proj",
 }
+_HYBRID = {  # Qwen3-Next, Qwen3.5 (gguf_hybrid.py undoes what the converter changed in them)
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    **_ATTENTION,
+    "attn_qkv": "linear_attn.in_proj_qkv",  # a full-attention layer's (``--fuse-qkv``): gguf_hybrid.py
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next's, per key head [b a]
+    "ssm_in": "linear_attn.in_proj_qkvz",  # Qwen3-Next's in older files, per key head [q k v z]
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    **_MLP,
+    **_ROUTER,
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# per-layer tensors not named ``<module>.weight``: the name after ``blk.N.`` -> HF's after ``model.layers.N.``
+_HYBRID_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA,
-    "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA,
+    "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA, "qwen3next": _HYBRID, "qwen35": _HYBRID,
 }  # fmt: skip
-EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe"})  # where a file may hold experts
+EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next"})  # where a file may hold experts
 # merged expert tensor -> the projections its rows hold, in order (each part an equal share of the rows)
 MERGED_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),
@@ -88,6 +113,10 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
             return None
         proj = _MLP[parts[2]].removeprefix("mlp.")
         return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
+    if parts[0] == "blk" and len(parts) > 2 and arch in (None, "qwen3next", "qwen35"):
+        param = _HYBRID_PARAMETERS.get(".".join(parts[2:]))
+        if param is not None:
+            return f"model.layers.{parts[1]}.{param}"
     if len(parts) != 4 or parts[0] != "blk":
         return None
     for table in [LAYER_NAMES[arch]] if arch is not None else LAYER_NAMES.values():
@@ -109,8 +138,9 @@ def gguf_expert_names(name: str, arch: str | None = None) -> tuple[str, ...] | N
 
 
 def is_router(name: str) -> bool:
-    """True for a router's weight (``ffn_gate_inp``): loaded as values, never kept as blocks."""
-    return name.endswith(".ffn_gate_inp.weight")
+    """True for a router's weight (``ffn_gate_inp``; a shared expert's gate, ``ffn_gate_inp_shexp``):
+    loaded as values, never kept as blocks."""
+    return name.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight"))
 
 
 def is_shifted_norm(name: str, arch: str) -> bool:

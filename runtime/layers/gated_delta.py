@@ -19,16 +19,25 @@ slot per request-table row; this layer reads the committed state of each row and
 new one, which the scheduler commits once it knows how many of the row's tokens were kept: a row
 that verifies drafts (jump-forward, speculation) stages the state after each of its last
 ``1 + drafts`` tokens, so a rejected draft leaves no trace.
+
+The decode step is one fused kernel where one runs (``decode_kernel``): C++ on CPUs
+(``gated_delta_decode``, kernels/csrc/gated_delta.cpp), Triton on GPUs
+(kernels/triton_gated_delta.py). Each reads a decode row's state where the pool holds it, once,
+and writes the new state once, into the pool's scratch room, which is what gets staged;
+``delta_rule_recurrent`` is the reference they match and the path everywhere else.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from radixlm.kernels.cpu_ext import cpu_kernels
 
 if TYPE_CHECKING:
     from radixlm.runtime.layers.forward_batch import ForwardBatch
@@ -139,6 +148,27 @@ def delta_rule_chunked(
     return out.reshape(heads, -1, out.shape[-1])[:, :n].transpose(0, 1), state
 
 
+DecodeStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def decode_kernel(x: torch.Tensor, states: torch.Tensor) -> DecodeStep | None:
+    """The fused decode step for tensors on ``x``'s device and ``states``': the C++ kernel on CPUs,
+    the Triton kernel on GPUs (``(q, k, v, g, beta, states, rows, out_state) -> (out, new
+    states)``); None where neither runs: the PyTorch path."""
+    if x.device.type != states.device.type:
+        return None
+    if x.device.type == "cpu":
+        ext = cpu_kernels()
+        return ext.gated_delta_decode if ext is not None and hasattr(ext, "gated_delta_decode") else None
+    if x.device.type == "cuda":
+        try:
+            from radixlm.kernels.triton_gated_delta import gated_delta_step
+        except ImportError:  # no Triton: the PyTorch path
+            return None
+        return gated_delta_step if states.shape[-2] & (states.shape[-2] - 1) == 0 else None
+    return None
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head's output, multiplied by SiLU of the gate ``z``."""
 
@@ -181,19 +211,30 @@ class GatedDeltaNet(nn.Module):
         s = self.spec
         mixed, z, b, a = self.in_proj(x).split(self.part_sizes(), dim=-1)
         pool = batch.state_pool
-        conv_state, state = pool.read(self.state_layer, batch)
+        nd = batch.num_decode
+        step = decode_kernel(x, pool.state) if nd else None
+        first = nd if step is not None else 0  # the rows whose recurrent states the kernel reads in place
+        conv_state, state = pool.read(self.state_layer, batch, states_from=first)  # state: rows first..
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         beta = b.float().sigmoid()
         outs = []
-        nd = batch.num_decode
         if nd:  # every decode row's one token at once
             window = torch.cat([conv_state[:nd], mixed[:nd].unsqueeze(-1).to(conv_state.dtype)], dim=-1)  # [B, C, K]
             conv = F.silu((window * weight).sum(dim=-1).float())
-            out, states = self._recur(conv.unsqueeze(1), g[:nd].unsqueeze(1), beta[:nd].unsqueeze(1), state[:nd])
-            outs.append(out[:, 0])
-            for i in range(nd):
-                pool.stage(self.state_layer, i, window[i, :, 1:].unsqueeze(0), states[i])
+            if step is not None:
+                source, rows = pool.in_place(self.state_layer, batch, nd)
+                q, k, v = self._qkv(conv, repeat=False)  # the kernel maps value heads to key heads itself
+                scratch = pool.scratch(self.state_layer, nd)
+                out, states = step(q, k, v, g[:nd], beta[:nd], source, rows, scratch)  # states [B, Hv, dk, dv]
+                outs.append(out)
+                for i in range(nd):
+                    pool.stage(self.state_layer, i, window[i, :, 1:].unsqueeze(0), states[i : i + 1])
+            else:
+                out, states = self._recur(conv.unsqueeze(1), g[:nd].unsqueeze(1), beta[:nd].unsqueeze(1), state[:nd])
+                outs.append(out[:, 0])
+                for i in range(nd):
+                    pool.stage(self.state_layer, i, window[i, :, 1:].unsqueeze(0), states[i])
         start = nd
         for i in range(nd, batch.batch_size):
             n, keep = batch.extend_lens[i], batch.state_keep(i)
@@ -203,7 +244,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._qkv(conv)
             head = n - keep  # the chunked form up to the last keep tokens, then one at a time (each state kept)
             marks = batch.state_marks_of(i)
-            row_state, parts, marked = state[i], [], {}
+            row_state, parts, marked = state[i - first], [], {}
             lo = 0
             for hi in sorted({h for h in marks if h < head} | ({head} if head else set())):  # chunked, split at the marks
                 o, row_state = delta_rule_chunked(q[lo:hi], k[lo:hi], v[lo:hi], g[start + lo : start + hi], beta[start + lo : start + hi], row_state)
@@ -223,15 +264,16 @@ class GatedDeltaNet(nn.Module):
         core = self.norm(core, z.reshape(-1, s.num_v_heads, s.head_v_dim))
         return self.out_proj(core.reshape(x.shape[0], s.value_dim))
 
-    def _qkv(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (normalised, q scaled, repeated to the value heads) and v of convolved ``[..., C]``."""
+    def _qkv(self, conv: torch.Tensor, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normalised, q scaled, repeated to the value heads unless ``repeat`` is false) and v
+        of convolved ``[..., C]``."""
         s = self.spec
         q, k, v = conv.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         lead = conv.shape[:-1]
         q = l2norm(q.reshape(*lead, s.num_k_heads, s.head_k_dim)) * s.head_k_dim**-0.5
         k = l2norm(k.reshape(*lead, s.num_k_heads, s.head_k_dim))
         groups = s.num_v_heads // s.num_k_heads
-        if groups > 1:
+        if repeat and groups > 1:
             q, k = q.repeat_interleave(groups, dim=-2), k.repeat_interleave(groups, dim=-2)
         return q, k, v.reshape(*lead, s.num_v_heads, s.head_v_dim)
 

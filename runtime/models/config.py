@@ -174,7 +174,8 @@ class ModelConfig:
                 f"radixlm runs {sorted(supported)}"
             )
         if isinstance(cfg.get("text_config"), dict) and "num_attention_heads" not in cfg:  # a vision-language checkpoint: its text model
-            cfg = {**cfg["text_config"], "architectures": archs}
+            tied = cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings", False))  # the outer config's governs
+            cfg = {**cfg["text_config"], "architectures": archs, "tie_word_embeddings": tied}
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         mla = _mla_spec(cfg, family)

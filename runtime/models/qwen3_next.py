@@ -29,6 +29,12 @@ _INTERLEAVED = re.compile(r"^(model\.layers\.\d+\.linear_attn\.)in_proj_(qkvz|ba
 _SKIPPED = ("model.visual.", "mtp.", "model.mtp.")
 
 
+def _qwen35_name(name: str) -> str:
+    """A checkpoint tensor's name in Qwen3.5's spelling: the text model's prefix, the shared expert's names."""
+    name = name.replace("model.language_model.", "model.", 1)
+    return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.").replace(".mlp.shared_expert_gate.", ".mlp.shared_gate.")
+
+
 @register_family(Qwen3NextForCausalLM="qwen3_next", Qwen3_5ForCausalLM="qwen3_5", Qwen3_5ForConditionalGeneration="qwen3_5")
 class Qwen3NextForCausalLM(DenseForCausalLM):
     """Gated DeltaNet and gated-attention layers, with a dense MLP or routed and shared experts."""
@@ -40,12 +46,16 @@ class Qwen3NextForCausalLM(DenseForCausalLM):
         """The checkpoint's tensors in Qwen3.5's names (``1 + w`` norms as stored ``w`` plus 1)."""
         return super().checkpoint_tensors(self._renamed(weights))
 
+    def weight_target(self, name: str) -> tuple[str | None, int | None]:
+        """Where a tensor goes, by Qwen3.5's name (stored weights, such as a GGUF file's quantized
+        shared expert, come here under the checkpoint's own names)."""
+        return super().weight_target(_qwen35_name(name))
+
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, source in weights:
-            name = name.replace("model.language_model.", "model.", 1)
+            name = _qwen35_name(name)
             if name.startswith(_SKIPPED):
                 continue
-            name = name.replace(".mlp.shared_expert.", ".mlp.shared_experts.").replace(".mlp.shared_expert_gate.", ".mlp.shared_gate.")
             interleaved = _INTERLEAVED.match(name)
             if interleaved is None:
                 yield name, source
