@@ -75,6 +75,8 @@ class Family:
     config: dict
     layers: int | None = None  # layers kept in the full run (None: all) so fp32 weights stay ~3 GB
     quick: dict = field(default_factory=dict)  # overrides for --quick (tiny shapes)
+    converter_args: tuple[str, ...] = ()  # extra flags llama.cpp's converter needs for this family
+    bpe_pre: str | None = None  # answer the converter's BPE pre-tokenizer check with this (the benchmark's tokenizer is unknown to it)
 
     def kwargs(self, quick: bool) -> dict:
         """The config kwargs of the model built: published values, layer cut or quick overrides, derived fields."""
@@ -148,7 +150,8 @@ FAMILIES = {
             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
             hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
             attention_bias=False, tie_word_embeddings=True,
-        ), quick=dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+        ), quick=dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+           converter_args=("--no-mtp",), bpe_pre="qwen2"),
     ]
 }  # fmt: skip
 # Llama-3.2-1B is benchmarks/checkpoints.py's real-shaped model, Qwen3.5-0.8B benchmarks/hybrid.py's
@@ -230,9 +233,22 @@ def build(family: str, quick: bool, folder: str, threads: int) -> dict:
     return {"params": params, "fp32_bytes": 4 * params, "layers": cfg.num_hidden_layers}
 
 
-def convert(folder: Path, out: Path, outtype: str) -> None:
+# runs the converter with its BPE pre-tokenizer check answered (argv[1]: the answer, the rest: its arguments)
+_CONVERT_WITH_PRE = (
+    "import runpy, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/gguf-py']; import conversion.base as base; "
+    "base.TextModel.get_vocab_base_pre = lambda self, tokenizer, pre=sys.argv[2]: pre; "
+    "sys.argv = [sys.argv[1] + '/convert_hf_to_gguf.py', *sys.argv[3:]]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def convert(folder: Path, out: Path, outtype: str, family: str | None = None) -> None:
     """llama.cpp's converter: the HF folder as a GGUF file of ``outtype``; raises with its last log lines."""
-    cmd = [sys.executable, str(CONVERTER), str(folder), "--outtype", outtype, "--outfile", str(out)]
+    fam = FAMILIES.get(family) if family else None
+    args = [str(folder), "--outtype", outtype, "--outfile", str(out), *(fam.converter_args if fam else ())]
+    if fam is not None and fam.bpe_pre:
+        cmd = [sys.executable, "-c", _CONVERT_WITH_PRE, str(LLAMA_CPP), fam.bpe_pre, *args]
+    else:
+        cmd = [sys.executable, str(CONVERTER), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=PEERS_DIR)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(_last_error(proc.stderr + proc.stdout))
@@ -523,11 +539,14 @@ def run_family(fam: Family, args: argparse.Namespace, report: Report) -> None:
     report.shapes.append(f"| {fam.key} | {label} (`{fam.config_class}`) | {built['layers']} / {published} | {_count(built['params'])} | {built['fp32_bytes'] / 1e9:.3g} |")
 
     ggufs: dict[str, Path | str] = {}
+    if fam.bpe_pre or fam.converter_args:
+        report.notes.append(f"{fam.key}: llama.cpp's converter run with {' '.join(fam.converter_args) or 'no extra flags'}"
+                            + (f", its BPE pre-tokenizer check answered `{fam.bpe_pre}` (the benchmark's tokenizer is unknown to it)" if fam.bpe_pre else "") + ".")
     for t in args.gguf_types:
         out = folder / f"{fam.key}.{t}.gguf"
         ggufs[t] = out if CONVERTER.is_file() else f"llama.cpp's converter not found at {CONVERTER}"
         if CONVERTER.is_file():
-            err = attempt(convert, hf, out, t)
+            err = attempt(convert, hf, out, t, fam.key)
             if isinstance(err, str):
                 ggufs[t] = err
                 report.notes.append(f"{fam.key}: llama.cpp's converter failed for {t}: {err}")

@@ -27,6 +27,7 @@ A request that let go of anything never hands its KV to the tree: its row has ho
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,8 @@ from radixlm.radix_cache.pool import SlotAllocator
 from radixlm.radix_cache.req_table import ReqToTokenTable
 from radixlm.radix_cache.tiers import KVTiers
 from radixlm.radix_cache.tree import RadixCache, TreeNode
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -165,11 +168,15 @@ class KVManager:
         row = self.table.alloc()
         if row is None:
             return None
-        self.tree.inc_lock_ref(last_node)
         n = len(prefix_slots)
-        self.table.write(row, 0, prefix_slots)
         if n and self.tree.snapshots is not None:  # a hybrid model resumes its linear layers from the match's snapshot
-            self.tree.snapshots.restore(last_node, row, n)
+            try:
+                self.tree.snapshots.restore(last_node, row, n)
+            except BaseException:
+                self.table.free(row)
+                raise
+        self.tree.inc_lock_ref(last_node)
+        self.table.write(row, 0, prefix_slots)
         return KVState(row=row, last_node=last_node, cached_len=n, kv_len=n, alloc_len=n, origin=origin)
 
     def reserve(self, state: KVState, new_len: int) -> bool:
@@ -253,7 +260,10 @@ class KVManager:
             self.cache_prefix(state, tokens)
             snapshots = self.tree.snapshots
             if snapshots is not None and state.cached_len and not state.dropped_len:  # where its KV in the tree ends, if the state there is known
-                snapshots.take_row(state.last_node, state.row, state.cached_len)
+                try:
+                    snapshots.take_row(state.last_node, state.row, state.cached_len)
+                except Exception:  # a snapshot is an optimisation: never a reason to keep KV
+                    logger.exception("taking a state snapshot at release failed")
         if state.alloc_len > state.held_from:
             self.allocator.free_slots(self.table.read(state.row, state.held_from, state.alloc_len).clone())
         self.tree.dec_lock_ref(state.last_node)

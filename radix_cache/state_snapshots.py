@@ -71,8 +71,12 @@ class StateSnapshots:
             self.free(self.holders[oldest])
             self.dropped += 1
         slot = self._free.pop()
-        self.conv[slot].copy_(conv)
-        self.state[slot].copy_(state)
+        try:
+            self.conv[slot].copy_(conv)
+            self.state[slot].copy_(state)
+        except BaseException:
+            self._free.append(slot)
+            raise
         self.holders[slot] = node
         node.snapshot = slot
         self.taken += 1

@@ -13,7 +13,7 @@ from fastapi import Request
 TINY_ARCHS = ("llama", "qwen2", "mistral")
 # The families beyond Llama's layout, each at a tiny size that still exercises what it adds.
 FAMILY_ARCHS = ("qwen3", "gemma2", "gemma3", "phi3", "smollm3", "mistral_swa", "mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5")  # linear-attention layers between full-attention ones (tests/test_hybrid.py)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # linear-attention layers between full-attention ones (tests/test_hybrid.py)
 TINY_WINDOW = 8  # the sliding window of the tiny sliding-window models (prompts run to several times it)
 
 CHAT_TEMPLATE = (
@@ -151,6 +151,7 @@ def _family_config(arch: str, common: dict):
         MistralConfig,
         MixtralConfig,
         Phi3Config,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -166,6 +167,8 @@ def _family_config(arch: str, common: dict):
         }  # fmt: skip
         if arch == "qwen3_5":
             return Qwen3_5TextConfig(tie_word_embeddings=False, **hybrid)
+        if arch == "qwen3_5_moe":  # experts on every layer, always renormalised, and the gated shared expert
+            return Qwen3_5MoeTextConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, **hybrid)
         # routed experts plus the gated shared expert, and one dense MLP layer (unless overridden)
         moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64, mlp_only_layers=[1])
         return Qwen3NextConfig(**{**moe, **hybrid})

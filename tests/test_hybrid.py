@@ -2,7 +2,8 @@
 
 Tiny random checkpoints saved by transformers' own classes (``HYBRID_ARCHS`` in helpers.py): three
 Gated DeltaNet layers (2 key heads serving 4 value heads) and one gated full-attention layer with
-partial RoPE; Qwen3-Next with routed experts, a gated shared expert and one dense MLP layer. Each
+partial RoPE; Qwen3-Next with routed experts, a gated shared expert and one dense MLP layer;
+Qwen3.5-MoE with experts on every layer (always renormalised) and the gated shared expert. Each
 request's recurrent and convolution states must be carried exactly through every scheduling
 situation: chunk boundaries, mixed decode/prefill passes, retraction, and drafts (n-gram
 speculation, jump-forward) whose rejected tokens must leave no trace in the state.

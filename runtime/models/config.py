@@ -54,7 +54,7 @@ class MoEConfig:
             num_experts=experts,
             top_k=top_k,
             scoring="sigmoid" if sigmoid else "topk_softmax" if family == "gpt_oss" else "softmax",
-            renormalize=family == "mixtral" or (bool(cfg.get("norm_topk_prob")) and family != "deepseek_v2"),
+            renormalize=family in ("mixtral", "qwen3_5_moe") or (bool(cfg.get("norm_topk_prob")) and family != "deepseek_v2"),
             n_group=(cfg.get("n_group") or 1) if grouped else 1,
             topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
             group_score="top2_sum" if method == "noaux_tc" else "max",
@@ -187,7 +187,7 @@ class ModelConfig:
             architecture=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],  # (Qwen3.5-MoE: experts only)
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             # MLA: the heads split across ranks as query heads; RoPE turns each head's qk_rope_head_dim dims

@@ -7,8 +7,8 @@ gate**: ``q_proj`` gives each head a gate beside its query, and the attention ou
 by its sigmoid before ``o_proj``. Every RMSNorm scales by ``1 + weight`` (the 1 is added at load)
 except the DeltaNet's gated output norm, which scales by its weight as stored.
 
-Qwen3-Next's feed-forward blocks are routed experts plus one shared expert whose output a learned
-sigmoid gate scales per token; Qwen3.5's small models have a dense MLP. Qwen3-Next's checkpoints
+Qwen3-Next's and Qwen3.5-MoE's feed-forward blocks are routed experts plus one shared expert whose
+output a learned sigmoid gate scales per token; Qwen3.5's dense models have a gated MLP. Qwen3-Next's checkpoints
 store the DeltaNet projections interleaved per key head (``in_proj_qkvz``, ``in_proj_ba``); they
 are reordered here into Qwen3.5's four (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
 ``in_proj_a``), which load into one fused ``in_proj``. A Qwen3.5 checkpoint of the vision-language
@@ -35,7 +35,13 @@ def _qwen35_name(name: str) -> str:
     return name.replace(".mlp.shared_expert.", ".mlp.shared_experts.").replace(".mlp.shared_expert_gate.", ".mlp.shared_gate.")
 
 
-@register_family(Qwen3NextForCausalLM="qwen3_next", Qwen3_5ForCausalLM="qwen3_5", Qwen3_5ForConditionalGeneration="qwen3_5")
+@register_family(
+    Qwen3NextForCausalLM="qwen3_next",
+    Qwen3_5ForCausalLM="qwen3_5",
+    Qwen3_5ForConditionalGeneration="qwen3_5",
+    Qwen3_5MoeForCausalLM="qwen3_5_moe",
+    Qwen3_5MoeForConditionalGeneration="qwen3_5_moe",
+)
 class Qwen3NextForCausalLM(DenseForCausalLM):
     """Gated DeltaNet and gated-attention layers, with a dense MLP or routed and shared experts."""
 

@@ -106,10 +106,13 @@ class ForwardPass(Finishing):
             return
         for i, row in enumerate(rows):  # the prompt positions marked for the tree's state snapshots
             req = row.req
-            marks = pool.marks(i) if req.finish is None and req.kv is not None else []
-            if marks:
-                self.kv.cache_prefix(req.kv, req.cache_ids)  # their KV into the tree first
-                self.kv.take_snapshots(req.kv, req.cache_ids, marks)
+            try:
+                marks = pool.marks(i) if req.finish is None and req.kv is not None else []
+                if marks:
+                    self.kv.cache_prefix(req.kv, req.cache_ids)  # their KV into the tree first
+                    self.kv.take_snapshots(req.kv, req.cache_ids, marks)
+            except Exception:  # a snapshot is an optimisation: the request goes on without it
+                logger.exception("taking state snapshots for request %s failed", req.rid)
 
     def _pool(self, batch: ForwardBatch, spans: LogitSpans, logits: torch.Tensor) -> None:
         """Hand pooling rows their hidden states (or score logits); a row that ends its prompt
