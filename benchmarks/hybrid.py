@@ -178,9 +178,10 @@ def main() -> None:
         f"Hybrid with snapshots: {aim}.",
         "",
         "Where the hybrid model's snapshots come from (docs/architecture.md, \"Hybrid models: state snapshots in the tree\"):",
-        "turn 1's first request snapshots its own prompt; the others find the system prompt's KV but no snapshot at the",
-        "branch point (they recompute it, and the first to finish leaves one there); every later turn resumes from the",
-        "snapshot taken when the previous turn's request finished.",
+        "turn 1's first request snapshots its own prompt; the next finds the system prompt's KV but no snapshot at the",
+        "branch point, recomputes it and leaves one there during its prompt pass (so turn 1 shares less than with pure",
+        "attention); every later turn resumes from the snapshot taken when the previous turn's request finished.",
+        "Both models run from their HF folders in radixlm's default dtype.",
         "",
     ]
     if args.speed:
