@@ -659,7 +659,7 @@ class FakeAdapter:
         self.name, self.weights, self.blocks, self.compact = name, {module: (a, b)}, {module: blocks}, {}
 
 
-def run_scenario(path: str, prompts: list[list[int]], options: dict, arrival: str, expect_hits: bool = True, **params):
+def run_scenario(path: str, prompts: list[list[int]], options: dict, arrival: str, expect_hits: bool = True, max_total_tokens: int = 4096, **params):
     """Greedy outputs of ``prompts`` on an engine over ``path`` with ``options``, the requests
     arriving ``one_by_one``, ``all_at_once``, ``twice`` (all, then all again: the second round
     must repeat the first, from the cache where ``expect_hits``) or ``staggered`` (one joins every
@@ -667,7 +667,7 @@ def run_scenario(path: str, prompts: list[list[int]], options: dict, arrival: st
     from radixlm import ServerArgs
     from radixlm.runtime.engine import build_parts
 
-    args = ServerArgs(model_path=path, max_total_tokens=options.pop("max_total_tokens", 4096), **options)
+    args = ServerArgs(model_path=path, max_total_tokens=options.pop("max_total_tokens", max_total_tokens), **options)
     rt = build_parts(args)
     d = Driver(rt)
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True, **params}
@@ -693,5 +693,28 @@ def run_scenario(path: str, prompts: list[list[int]], options: dict, arrival: st
                 rids.append(d.add(pending.pop(0), **params))
 
         d.run(on_step=on_step)
+        while pending:  # the engine went idle before every prompt had joined
+            rids.append(d.add(pending.pop(0), **params))
+            d.run()
     rt.scheduler.check_accounting()
     return [d.results[r].output_ids for r in rids], rt
+
+
+def assert_masked_greedy(hf, rt, constraint: tuple, prompt: list[int], ours: list[int], label: str = "") -> object:
+    """Every token of ``ours`` is transformers' argmax (model ``hf``) among the tokens the compiled
+    ``constraint`` allows at that point (the engine parts ``rt`` compile it); returns the matcher
+    after the last token."""
+    from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
+
+    vocab = rt.runner.config.vocab_size
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1, :vocab]
+    matcher = rt.grammars.compile(*constraint).matcher()
+    for j, token in enumerate(ours):
+        bits = torch.full((1, bitmask_width(vocab)), -1, dtype=torch.int32)
+        matcher.fill_bitmask(bits, 0)
+        allowed = unpack_bitmask(bits, vocab)[0]
+        best = int(logits[j].masked_fill(~allowed, float("-inf")).argmax())
+        assert best == token, f"{label}: constrained token {j} is {token}, transformers' masked argmax {best}"
+        assert matcher.accept(token)
+    return matcher

@@ -19,13 +19,13 @@ from helpers import (
     FAMILY_ARCHS,
     TINY_WINDOW,
     Driver,
+    assert_masked_greedy,
     hf_greedy_divergence,
     load_hf_model,
     make_tiny_model,
     run_scenario,
 )
 from radixlm import ServerArgs
-from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.sampling_params import SamplingParams
 
@@ -113,18 +113,8 @@ def test_family_json_schema_output_is_transformers_masked_greedy(arch, family_di
     constraint = SamplingParams.from_dict({"json_schema": schema}).constraint  # as the engine compiles it
     outputs, rt = run_scenario(family_dirs[arch], prompts, {"disable_jump_forward": True}, "all_at_once", json_schema=schema, max_new_tokens=64)
     hf = load_hf_model(family_dirs[arch])
-    vocab = rt.runner.config.vocab_size
     for prompt, ours in zip(prompts, outputs):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1, :vocab]
-        matcher = rt.grammars.compile(*constraint).matcher()
-        for j, token in enumerate(ours):
-            bits = torch.full((1, bitmask_width(vocab)), -1, dtype=torch.int32)
-            matcher.fill_bitmask(bits, 0)
-            allowed = unpack_bitmask(bits, vocab)[0]
-            best = int(logits[j].masked_fill(~allowed, float("-inf")).argmax())
-            assert best == token, f"{arch}: constrained token {j} is {token}, transformers' masked argmax {best}"
-            assert matcher.accept(token)
+        matcher = assert_masked_greedy(hf, rt, constraint, prompt, ours, arch)
         if matcher.is_terminated():
             text = rt.tokenizer.decode(ours, skip_special_tokens=True)
             assert set(json.loads(text)) == {"name", "n"}

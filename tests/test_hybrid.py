@@ -21,6 +21,7 @@ import radixlm
 from helpers import (
     HYBRID_ARCHS,
     Driver,
+    assert_masked_greedy,
     hf_greedy_divergence,
     load_hf_model,
     make_tiny_model,
@@ -28,7 +29,6 @@ from helpers import (
 )
 from radixlm import ServerArgs
 from radixlm.radix_cache.state_pool import StatePool
-from radixlm.runtime.constrained.base import bitmask_width, unpack_bitmask
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.layers.gated_delta import (
     GatedDeltaNet,
@@ -115,19 +115,8 @@ def test_hybrid_json_schema_with_jump_forward_is_transformers_masked_greedy(arch
     schema = json.dumps(SCHEMA)
     constraint = SamplingParams.from_dict({"json_schema": schema}).constraint
     outputs, rt = run_scenario(hybrid_dirs[arch], prompts, {}, "all_at_once", expect_hits=False, json_schema=schema, max_new_tokens=48)
-    hf = references(arch)
-    vocab = rt.runner.config.vocab_size
     for prompt, ours in zip(prompts, outputs):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1, :vocab]
-        matcher = rt.grammars.compile(*constraint).matcher()
-        for j, token in enumerate(ours):
-            bits = torch.full((1, bitmask_width(vocab)), -1, dtype=torch.int32)
-            matcher.fill_bitmask(bits, 0)
-            allowed = unpack_bitmask(bits, vocab)[0]
-            best = int(logits[j].masked_fill(~allowed, float("-inf")).argmax())
-            assert best == token, f"{arch}: constrained token {j} is {token}, transformers' masked argmax {best}"
-            assert matcher.accept(token)
+        assert_masked_greedy(references(arch), rt, constraint, prompt, ours, arch)
 
 
 def test_a_failing_pass_reruns_its_rows_from_the_committed_states(hybrid_dirs, references, monkeypatch):

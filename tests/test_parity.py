@@ -6,9 +6,7 @@ import random
 
 import pytest
 
-from helpers import TINY_ARCHS, Driver, hf_greedy_divergence, load_hf_model
-from radixlm import ServerArgs
-from radixlm.runtime.engine import build_parts
+from helpers import TINY_ARCHS, hf_greedy_divergence, load_hf_model, run_scenario
 
 NEW_TOKENS = 32
 
@@ -35,36 +33,7 @@ def _tiny_prompts() -> list[list[int]]:
 
 
 def _run_scenario(model_path: str, prompts: list[list[int]], options: dict, arrival: str):
-    args = ServerArgs(model_path=model_path, max_total_tokens=options.pop("max_total_tokens", 8192), **options)
-    rt = build_parts(args)
-    d = Driver(rt)
-    params = dict(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    rids: list[str] = []
-    if arrival == "one_by_one":
-        for p in prompts:
-            rids.append(d.add(p, **params))
-            d.run()
-    elif arrival in ("all_at_once", "twice"):
-        rids = [d.add(p, **params) for p in prompts]
-        d.run()
-        if arrival == "twice":
-            first = [d.results[r] for r in rids]
-            rids = [d.add(p, **params) for p in prompts]
-            d.run()
-            assert [d.results[r].output_ids for r in rids] == [f.output_ids for f in first]
-            assert sum(d.results[r].meta_info["cached_tokens"] for r in rids) > 0
-    elif arrival == "staggered":  # a new request joins every other step while others decode
-        pending = list(prompts)
-
-        def on_step(i: int) -> None:
-            if pending and i % 2 == 0:
-                rids.append(d.add(pending.pop(0), **params))
-
-        d.run(on_step=on_step)
-        while pending:
-            rids.append(d.add(pending.pop(0), **params))
-            d.run()
-    return [d.results[r].output_ids for r in rids], rt
+    return run_scenario(model_path, prompts, options, arrival, max_total_tokens=8192, max_new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
