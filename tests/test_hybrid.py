@@ -381,3 +381,35 @@ def test_the_text_model_of_a_vision_language_qwen3_5_checkpoint_runs(tmp_path):
     prompt = _prompts()[3]
     outputs, _ = run_scenario(str(tmp_path), [prompt], {}, "one_by_one", max_new_tokens=10)
     assert hf_greedy_divergence(model, prompt, outputs[0]) is None
+
+
+def test_snapshots_that_fail_cost_only_the_reuse_and_a_failed_restore_only_its_request(hybrid_dirs, references, monkeypatch):
+    """Taking a snapshot that raises is logged and skipped (requests finish exactly, nothing leaks);
+    a restore that raises fails only the request being admitted, with the row given back."""
+    from radixlm.radix_cache.state_snapshots import StateSnapshots
+
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=1024))
+    d = Driver(rt)
+    hf = references("qwen3_5")
+    prompt = _prompts()[3]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected snapshot failure")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StateSnapshots, "take", broken)
+        first = _generate(d, prompt)
+        assert hf_greedy_divergence(hf, prompt, first.output_ids) is None
+        rt.scheduler.check_accounting()
+        assert len(rt.kv.tree.snapshots) == 0
+    _generate(d, prompt)  # leaves snapshots this time
+    assert len(rt.kv.tree.snapshots) > 0
+    free_rows = rt.kv.table.available()
+    with monkeypatch.context() as patch:
+        patch.setattr(StateSnapshots, "restore", broken)
+        failed = _generate(d, prompt)
+    assert failed.meta_info["finish_reason"]["type"] == "abort" and "injected snapshot failure" in failed.meta_info["finish_reason"]["message"]
+    assert rt.kv.table.available() == free_rows
+    rt.scheduler.check_accounting()
+    again = _generate(d, prompt)
+    assert again.meta_info["cached_tokens"] > 0 and hf_greedy_divergence(hf, prompt, again.output_ids) is None
