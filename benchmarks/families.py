@@ -405,9 +405,10 @@ def _last_error(text: str) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
-def child(kind: str, timeout: float, **kwargs) -> dict:
-    """Run ``CHILDREN[kind](**kwargs)`` in a fresh process (cwd outside the repository); its JSON result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-args", json.dumps(kwargs)]
+def child(kind: str, timeout: float, script: str = __file__, **kwargs) -> dict:
+    """Run ``CHILDREN[kind](**kwargs)`` of ``script`` (this file, or a benchmark built on it) in a
+    fresh process (cwd outside the repository); its JSON result."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--child", kind, "--child-args", json.dumps(kwargs)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=PEERS_DIR, timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -416,6 +417,16 @@ def child(kind: str, timeout: float, **kwargs) -> dict:
     if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
         raise RuntimeError(_last_error(proc.stderr or proc.stdout))
     return json.loads(lines[-1])
+
+
+def run_child(children: dict, kind: str, args_json: str) -> None:
+    """In a child process: run ``children[kind]`` and print its JSON result (exit 1 on failure)."""
+    try:
+        result = children[kind](**json.loads(args_json))
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+    print(json.dumps(result), flush=True)
 
 
 def has_bf16() -> bool:
@@ -594,12 +605,7 @@ def main() -> None:
     ap.add_argument("--child-args", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:  # a fresh process measuring one thing: its JSON result on the last line
-        try:
-            result = CHILDREN[args.child](**json.loads(args.child_args))
-        except Exception:
-            traceback.print_exc()
-            sys.exit(1)
-        print(json.dumps(result), flush=True)
+        run_child(CHILDREN, args.child, args.child_args)
         return
     args.gguf_types = (args.gguf_types or ("q8_0,f16" if args.quick else "q8_0")).split(",")
     keys = args.families.split(",")

@@ -25,13 +25,11 @@ Model folders go under ``~/.cache/radixlm/peers/hybrid`` and are kept between ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -93,16 +91,6 @@ def chat(path: str, options: dict, conversations: int, turns: int, system_len: i
 CHILDREN = {"chat": chat}
 
 
-def child(kind: str, timeout: float, **kwargs) -> dict:
-    """Run ``CHILDREN[kind](**kwargs)`` in a fresh process; its JSON result."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-args", json.dumps(kwargs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=families.PEERS_DIR, timeout=timeout)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
-        raise RuntimeError(families._last_error(proc.stderr or proc.stdout))
-    return json.loads(lines[-1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--speed", action="store_true", help="also run families.py's speed comparison for qwen3_5 (long: builds GGUF, runs llama.cpp)")
@@ -118,12 +106,7 @@ def main() -> None:
     ap.add_argument("--child-args", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        try:
-            result = CHILDREN[args.child](**json.loads(args.child_args))
-        except Exception:
-            traceback.print_exc()
-            sys.exit(1)
-        print(json.dumps(result), flush=True)
+        families.run_child(CHILDREN, args.child, args.child_args)
         return
     if args.speed:
         speed_out = Path(args.out).with_name("hybrid_speed.md")
@@ -144,7 +127,7 @@ def main() -> None:
     rows, results = [], {}
     for name, (family, options) in MODES.items():
         try:
-            r = child("chat", 7200, path=folders[family], options=options, **work)
+            r = families.child("chat", 7200, script=__file__, path=folders[family], options=options, **work)
         except Exception as e:  # noqa: BLE001 - a failure is a result: written into its row
             rows.append(f"| {name} | failed: {e} | - | - | - | - |")
             continue

@@ -105,7 +105,7 @@ class RadixCache:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Drop every node (the caller must have freed their slots) and zero the counters."""
-        if getattr(self, "snapshots", None) is not None:
+        if self.snapshots is not None:
             self.snapshots.clear()
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
