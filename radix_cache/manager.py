@@ -281,14 +281,14 @@ class KVManager:
         last = max(max_len, 0) // self.page_size * self.page_size
         return sorted({p for p in (shared, last) if p > cached})
 
-    def take_snapshots(self, state: KVState, tokens: Sequence[int], marks: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """Hand a running request's marked states (``(position, conv, state)``) to the tree nodes
-        ending at those positions, where its KV up to them is in the tree."""
-        for position, conv, states in marks:
+    def take_snapshots(self, state: KVState, tokens: Sequence[int], positions: Iterable[int]) -> None:
+        """Hand a running request's states marked at ``positions`` in its last pass to the tree
+        nodes ending there, where its KV up to them is in the tree."""
+        for position in positions:
             if position > state.cached_len or state.dropped_len:
                 continue
             node = self.tree.match_prefix(tokens[:position], whole_kv=True).last_node  # splits an edge to end exactly there
-            self.tree.snapshots.take(node, conv, states)
+            self.tree.snapshots.take_row(node, state.row, position)
 
     def flush(self) -> None:
         """Drop the whole radix cache and the host tier (only when no request holds a lock); the disk tier stays."""

@@ -12,19 +12,26 @@ scheduler **commits**, per row, the state at the length it kept (``commit``)::
 
 A pass that raises commits nothing (its rows are re-run from the committed states), and a row
 whose request starts over (a new prompt, or one retracted) begins from zeros.
+
+Under tensor parallelism every rank holds such a pool for its own heads. Rank 0 alone decides what
+is committed and snapshotted; its pool and snapshot store write those decisions to a
+``StateJournal`` (``radixlm.radix_cache.state_journal``) that the workers repeat before their next pass.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from radixlm.radix_cache.state_journal import StateJournal
 
 
 class PassRows(Protocol):
     """What the pool reads of a forward pass (``radixlm.runtime.layers.forward_batch.ForwardBatch``)."""
 
-    req_rows: torch.Tensor  # [B] request-table rows
+    pool_rows: torch.Tensor  # [B] the pool's rows of the pass's rows (rank 0's request-table rows)
     prefix_lens: list[int]
     extend_lens: list[int]
     batch_size: int
@@ -67,6 +74,7 @@ class StatePool:
         self._staged: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(layers)]
         self._marked: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(layers)]
         self._scratch: list[torch.Tensor | None] = [None] * layers  # per layer: the decode step's new states, reused pass to pass
+        self.journal: StateJournal | None = None  # rank 0 of a tensor-parallel group: where its commits are written for the workers
 
     def nbytes(self) -> int:
         """Bytes the pool holds."""
@@ -81,7 +89,7 @@ class StatePool:
 
     def begin(self, batch: PassRows) -> None:
         """Start a pass over ``batch``: forget anything staged by a pass that never committed."""
-        self._batch_rows = batch.req_rows.tolist()
+        self._batch_rows = batch.pool_rows.tolist()
         self._index = {row: i for i, row in enumerate(self._batch_rows)}
         for row, prefix in zip(self._batch_rows, batch.prefix_lens):
             if prefix == 0:
@@ -97,7 +105,7 @@ class StatePool:
         ``states_from`` on (zeros for a row that starts its sequence): ``[B, *conv_shape]``,
         ``[B - states_from, *state_shape]``, copies. (A kernel reads the first rows' recurrent
         states where they lie instead: ``in_place``.)"""
-        rows = batch.req_rows.to(self.conv.device)
+        rows = batch.pool_rows.to(self.conv.device)
         conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, rows[states_from:])
         fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
         if fresh:
@@ -112,7 +120,7 @@ class StatePool:
         *state_shape]`` (to read only: they change at ``commit`` alone), and for each of
         ``batch``'s first ``n`` rows the pool row of its state (int64 ``[n]``; -1 for a row that
         starts its sequence: its state is zeros)."""
-        rows = batch.req_rows[:n].to(device="cpu", dtype=torch.int64, copy=True)
+        rows = batch.pool_rows[:n].to(device="cpu", dtype=torch.int64, copy=True)
         rows[[i for i in range(n) if batch.prefix_lens[i] == 0]] = -1
         return self.state[layer], rows
 
@@ -135,16 +143,13 @@ class StatePool:
         of ``states`` (``h -> (conv, state)``): the points the radix tree snapshots."""
         self._marked[layer][index] = states
 
-    def marks(self, index: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """The marked states of batch row ``index`` over all layers, after the pass: ``(position,
-        conv [layers, *conv_shape], state [layers, *state_shape])``, ascending."""
+    def marks(self, index: int) -> list[int]:
+        """The sequence positions of batch row ``index`` whose states were marked in the pass,
+        ascending (``state_at`` gives them until the next pass begins)."""
         if index not in self._marked[0]:
             return []
         start = self._ends[index] - self._batch_extend[index]
-        return [
-            (start + h, torch.stack([m[index][h][0] for m in self._marked]), torch.stack([m[index][h][1] for m in self._marked]))
-            for h in sorted(self._marked[0][index])
-        ]
+        return [start + h for h in sorted(self._marked[0][index])]
 
     def _keep_boundary(self, i: int, row: int, length: int) -> None:
         """Copy batch row ``i``'s staged states at the last page boundary up to ``length``, where it staged them."""
@@ -161,17 +166,56 @@ class StatePool:
 
     def state_at(self, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Request-table row ``row``'s states after ``length`` tokens over all layers (``[layers, ...]``),
-        staged by the pass under way or committed; None where neither holds them."""
+        staged or marked by the last pass, or committed; None where none holds them."""
         i = self._index.get(row)
         if i is not None and i in self._staged[0]:
             at = length - (self._ends[i] - self._keep[i]) - 1
             if 0 <= at < self._keep[i]:
                 return torch.stack([s[i][0][at] for s in self._staged]), torch.stack([s[i][1][at] for s in self._staged])
+        if i is not None and i in self._marked[0]:
+            h = length - (self._ends[i] - self._batch_extend[i])
+            if h in self._marked[0][i]:
+                return torch.stack([m[i][h][0] for m in self._marked]), torch.stack([m[i][h][1] for m in self._marked])
         if self.lengths[row] == length and length > 0:
             return self.conv[:, row], self.state[:, row]
         if self.boundary is not None and self.boundary_lengths[row] == length and length > 0:
             return self.boundary[0][:, row], self.boundary[1][:, row]
         return None
+
+    def load(self, row: int, conv: torch.Tensor, state: torch.Tensor, length: int) -> None:
+        """Start row ``row`` from the states ``conv`` and ``state`` (``[layers, ...]``, after ``length`` tokens)."""
+        self.conv[:, row] = conv
+        self.state[:, row] = state
+        self.lengths[row] = length
+        self.boundary_lengths[row] = 0  # nothing of the row's previous request is known any more
+
+    @property
+    def row_format(self) -> str:
+        """The dtypes and shapes of one row's states (two pools exchange rows only where they match)."""
+        return f"conv {self.conv.dtype} {tuple(self.conv[:, 0].shape)}, state {self.state.dtype} {tuple(self.state[:, 0].shape)}"
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row's states over all layers."""
+        return self.conv[:, 0].numel() * self.conv.element_size() + self.state[:, 0].numel() * self.state.element_size()
+
+    def pack(self, row: int, length: int) -> torch.Tensor | None:
+        """Row ``row``'s states after ``length`` tokens as ``row_nbytes`` bytes (on the CPU), or
+        None where the pool does not hold them (``state_at``)."""
+        states = self.state_at(row, length)
+        if states is None:
+            return None
+        return torch.cat([t.contiguous().reshape(-1).view(torch.uint8).cpu() for t in states])
+
+    def unpack(self, row: int, data: torch.Tensor, length: int) -> None:
+        """Start row ``row`` from ``pack``'s bytes of another pool of the same ``row_format``."""
+        if data.numel() != self.row_nbytes:
+            raise ValueError(f"linear-attention states of {data.numel()} bytes, expected {self.row_nbytes}")
+        split = self.conv[:, 0].numel() * self.conv.element_size()
+        data = data.to(self.conv.device)
+        conv = data[:split].view(self.conv.dtype).view(self.conv[:, 0].shape)
+        state = data[split:].view(self.state.dtype).view(self.state[:, 0].shape)
+        self.load(row, conv, state, length)
 
     def commit(self, kept: list[int | None]) -> None:
         """Make the staged states current: batch row ``i`` kept its first ``kept[i]`` positions
@@ -182,10 +226,12 @@ class StatePool:
         for i, length in enumerate(kept):
             if length is None:
                 continue
+            row = self._batch_rows[i]
+            if length == self._ends[i] - self._batch_extend[i] and self.lengths[row] == length:
+                continue  # none of the pass's tokens kept (a prompt's only computed token, max_new_tokens 0): the committed state stays
             at = length - (self._ends[i] - self._keep[i]) - 1
             if not 0 <= at < self._keep[i]:
                 raise ValueError(f"row {i} kept {length} positions; states were staged for {self._ends[i] - self._keep[i] + 1}..{self._ends[i]}")
-            row = self._batch_rows[i]
             for layer, staged in enumerate(self._staged):
                 conv, state = staged[i]
                 self.conv[layer, row] = conv[at]
@@ -194,3 +240,5 @@ class StatePool:
             self._keep_boundary(i, row, length)
         for staged in self._staged:
             staged.clear()  # (marks stay readable until the next pass begins)
+        if self.journal is not None:
+            self.journal.commit(kept)

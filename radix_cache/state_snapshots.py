@@ -21,11 +21,14 @@ frees its snapshot.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from radixlm.radix_cache.state_pool import StatePool
+
+if TYPE_CHECKING:
+    from radixlm.radix_cache.state_journal import StateJournal
 
 
 class TreeNode(Protocol):
@@ -48,6 +51,7 @@ class StateSnapshots:
         self._free = list(range(capacity - 1, -1, -1))
         self.taken = 0  # snapshots written
         self.dropped = 0  # snapshots given up for room (their nodes stay in the tree)
+        self.journal: StateJournal | None = None  # rank 0 of a tensor-parallel group: where takes and restores are written for the workers
 
     @property
     def capacity(self) -> int:
@@ -61,25 +65,25 @@ class StateSnapshots:
     def __len__(self) -> int:
         return len(self.holders)
 
-    def take(self, node: TreeNode, conv: torch.Tensor, state: torch.Tensor) -> None:
+    def take(self, node: TreeNode, conv: torch.Tensor, state: torch.Tensor) -> bool:
         """Give ``node`` the states ``conv`` ``[layers, *conv_shape]`` and ``state`` ``[layers, *state_shape]``
-        (the states after its last token); a node that holds one already keeps it."""
+        (the states after its last token); a node that holds one already keeps it (False)."""
         if node.snapshot is not None:
-            return
+            return False
         if not self._free:
             oldest = min(self.holders, key=lambda s: self.holders[s].last_access)
             self.free(self.holders[oldest])
             self.dropped += 1
         slot = self._free.pop()
         try:
-            self.conv[slot].copy_(conv)
-            self.state[slot].copy_(state)
+            self._write(slot, conv, state)
         except BaseException:
             self._free.append(slot)
             raise
         self.holders[slot] = node
         node.snapshot = slot
         self.taken += 1
+        return True
 
     def take_row(self, node: TreeNode, row: int, length: int) -> bool:
         """Give ``node`` request-table row ``row``'s states after ``length`` tokens (its node's
@@ -87,15 +91,30 @@ class StateSnapshots:
         states = self.pool.state_at(row, length)
         if states is None:
             return False
-        self.take(node, *states)
+        if self.take(node, *states) and self.journal is not None:
+            self.journal.take(node.snapshot, row, length)
         return True
 
     def restore(self, node: TreeNode, row: int, length: int) -> None:
         """Start request-table row ``row`` from ``node``'s snapshot (the states after ``length`` tokens)."""
-        self.pool.conv[:, row] = self.conv[node.snapshot]
-        self.pool.state[:, row] = self.state[node.snapshot]
-        self.pool.lengths[row] = length
-        self.pool.boundary_lengths[row] = 0  # nothing of the row's previous request is known any more
+        self.restore_slot(node.snapshot, row, length)
+        if self.journal is not None:
+            self.journal.restore(node.snapshot, row, length)
+
+    def write_row(self, slot: int, row: int, length: int) -> None:
+        """Hold row ``row``'s states after ``length`` tokens in ``slot`` (a worker repeating rank 0's take)."""
+        states = self.pool.state_at(row, length)
+        if states is None:
+            raise ValueError(f"state snapshot {slot}: row {row} holds no states after {length} tokens")
+        self._write(slot, *states)
+
+    def restore_slot(self, slot: int, row: int, length: int) -> None:
+        """Start row ``row`` from the states in ``slot`` (after ``length`` tokens)."""
+        self.pool.load(row, self.conv[slot], self.state[slot], length)
+
+    def _write(self, slot: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.conv[slot].copy_(conv)
+        self.state[slot].copy_(state)
 
     def free(self, node: TreeNode) -> None:
         """Drop ``node``'s snapshot (it is being evicted, or its slot is needed)."""

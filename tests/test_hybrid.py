@@ -196,12 +196,82 @@ def test_snapshots_are_dropped_with_their_nodes_and_for_room(hybrid_dirs):
     rt.scheduler.check_accounting()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_greedy_at_tp_2_matches_transformers(arch, hybrid_dirs, references):
+    """Heads split over two processes, each rank's states following rank 0's commits, snapshots and
+    restores: a batch with chunked prefill and n-gram drafts (some rejected), then the same prompts
+    resumed from the snapshots, then a JSON schema with jump-forward; all transformers' tokens."""
+    prompts = _prompts()
+    params = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+    opts = {"tp_size": 2, "max_total_tokens": 4096, "chunked_prefill_size": 16, "speculative_algorithm": "ngram"}
+    schema = json.dumps(SCHEMA)
+    with radixlm.Engine(model_path=hybrid_dirs[arch], **opts) as engine:
+        assert engine.runner.tp_size == 2 and engine.runner.state_pool.state.shape[2] == 2  # 2 of the 4 value heads on rank 0
+        first = engine.generate(input_ids=prompts, sampling_params=params)
+        again = engine.generate(input_ids=prompts, sampling_params=params)
+        constrained = engine.generate(input_ids=prompts[1:3], sampling_params={**params, "json_schema": schema, "max_new_tokens": 48, "close_json_within_budget": False})
+        engine.check_accounting()
+        drafts = engine.scheduler.speculator.stats()
+        hf = references(arch)
+        for i, (prompt, out) in enumerate(zip(prompts, first)):
+            where = hf_greedy_divergence(hf, prompt, out["output_ids"])
+            assert where is None, f"{arch}: prompt {i} ({len(prompt)} tokens) diverged from transformers at token {where}"
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first]
+        assert sum(o["meta_info"]["cached_tokens"] for o in again) > 0
+        assert drafts["spec_accepted_tokens"] < drafts["spec_draft_tokens"], "no draft was rejected: the state roll-back went untested"
+        constraint = SamplingParams.from_dict({"json_schema": schema}).constraint
+        for prompt, out in zip(prompts[1:3], constrained):
+            assert_masked_greedy(hf, engine, constraint, prompt, out["output_ids"], arch)
+
+
+def test_a_worker_whose_states_diverge_stops_the_engine_with_a_clear_error(hybrid_dirs):
+    """A worker that cannot repeat one of rank 0's state decisions (here: told a snapshot holds a
+    length its row never reached) fails the group; every waiter gets the error."""
+    with radixlm.Engine(model_path=hybrid_dirs["qwen3_5"], tp_size=2, max_total_tokens=1024) as engine:
+        engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 2, "temperature": 0.0})
+        engine.runner.state_journal.take(0, 0, 999)  # a take no worker's pool can serve
+        reason = engine.generate(input_ids=[[9, 10, 11]], sampling_params={"max_new_tokens": 2, "temperature": 0.0})[0]["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status"] == 503
+        assert "tensor-parallel worker 1 failed" in reason["message"] and "row 0 holds no states after 999 tokens" in reason["message"]
+        assert not engine.is_alive()
+
+
+def test_a_pd_pair_hands_the_states_over_with_the_kv(hybrid_dirs, references):
+    """Prefill/decode disaggregation: the prefill side sends the states after all but the last
+    prompt token with the KV, and the decode side's tokens are transformers'; a prompt the decode
+    side holds up to its last token resumes from its own snapshot and nothing travels."""
+    from test_disaggregation import assert_clean, paired, run_pair
+
+    rng = random.Random(11)
+    repeated = [rng.randrange(3, 390) for _ in range(45)]  # 44 positions travel: whole pages of 4
+    prompts = [repeated, repeated, [rng.randrange(3, 390) for _ in range(70)]]
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    hf = references("qwen3_5")
+    with paired(hybrid_dirs["qwen3_5"], page_size=4, max_total_tokens=2048) as (prefill, decode):
+        sent = []
+        for i, ids in enumerate(prompts):
+            _, out = run_pair(prefill, decode, ids, room=40 + i, params=params)
+            assert hf_greedy_divergence(hf, ids, out["output_ids"]) is None, f"prompt {i}: {out['meta_info']['finish_reason']}"
+            sent.append((out["meta_info"]["cached_tokens"], out["meta_info"]["pd"]["received_tokens"], out["meta_info"]["pd"]["received_bytes"]))
+        token_bytes, state_bytes = decode.runner.kv_pool.token_bytes(), decode.runner.state_pool.row_nbytes
+        assert sent == [(0, 44, 44 * token_bytes + state_bytes), (44, 0, 0), (0, 69, 69 * token_bytes + state_bytes)]
+        assert_clean(prefill, decode)
+
+
+def test_a_pd_pair_whose_states_differ_is_refused_with_the_field_named(hybrid_dirs):
+    from test_disaggregation import GREEDY, paired
+
+    with paired(hybrid_dirs["qwen3_5"], timeout=2, decode_extra={"dtype": "bfloat16"}) as (_, decode):
+        reason = decode.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY, bootstrap_room=5)["meta_info"]["finish_reason"]
+        assert reason["status"] == 503 and "KV layouts differ" in reason["message"] and "state_format" in reason["message"], reason
+
+
 def test_hybrid_models_refuse_what_their_states_cannot_do_yet(hybrid_dirs):
     path = hybrid_dirs["qwen3_5"]
-    with pytest.raises(ValueError, match="tp-size"):
-        radixlm.Engine(model_path=path, max_total_tokens=256, tp_size=2)
-    with pytest.raises(ValueError, match="disaggregation_mode"):
-        build_parts(ServerArgs(model_path=path, max_total_tokens=256, disaggregation_mode="prefill"))
+    with pytest.raises(ValueError, match="tp_size 3 .* larger than the 2 linear-attention key heads"):
+        radixlm.Engine(model_path=path, max_total_tokens=256, tp_size=3)
+    with pytest.raises(ValueError, match="kv_host_cache_gb"):
+        build_parts(ServerArgs(model_path=path, max_total_tokens=256, kv_host_cache_gb=0.01))
 
 
 def test_hybrid_kv_pool_holds_only_the_attention_layers(hybrid_dirs):
@@ -254,7 +324,7 @@ class _Batch:
     """The few ForwardBatch fields a StatePool reads."""
 
     def __init__(self, rows: list[int], prefix: list[int], extend: list[int], keeps: list[int]) -> None:
-        self.req_rows = torch.tensor(rows)
+        self.pool_rows = torch.tensor(rows)
         self.prefix_lens, self.extend_lens, self._keeps = prefix, extend, keeps
         self.seq_lens = [p + e for p, e in zip(prefix, extend)]
         self.batch_size = len(rows)

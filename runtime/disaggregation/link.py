@@ -294,7 +294,7 @@ class KVLink:
         """Send ``data`` to the decode side (blocks until it is received)."""
         self.pg.send([data.contiguous()], 1, tag).wait()
 
-    def recv(self, shape: tuple[int, int], tag: int) -> torch.Tensor:
+    def recv(self, shape: tuple[int, ...], tag: int) -> torch.Tensor:
         """Receive a uint8 tensor of ``shape`` from the prefill side."""
         buf = torch.empty(shape, dtype=torch.uint8)
         self.pg.recv([buf], 0, tag).wait()

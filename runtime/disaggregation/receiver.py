@@ -27,8 +27,9 @@ class Expected:
 class DecodeReceiver:
     """Decode side: asks for the KV its requests lack and hands what arrives to the engine loop.
 
-    ``post(fn)`` runs ``fn`` on the engine loop thread; ``on_kv(room, start, end, data, s)``
-    and ``on_failed(room, message, status)`` are the scheduler's, called there.
+    ``post(fn)`` runs ``fn`` on the engine loop thread; ``on_kv(room, start, end, data, states, s)``
+    (``states``: a hybrid model's linear-attention states as bytes, else empty) and
+    ``on_failed(room, message, status)`` are the scheduler's, called there.
     """
 
     role = "decode"
@@ -37,7 +38,7 @@ class DecodeReceiver:
         self.link = link
         self.stats = link.stats
         self.post: Callable[[Callable[[], None]], None] = lambda fn: None
-        self.on_kv: Callable[[int, int, int, torch.Tensor, float], None] = lambda *a: None
+        self.on_kv: Callable[[int, int, int, torch.Tensor, torch.Tensor, float], None] = lambda *a: None
         self.on_failed: Callable[[int, str, int], None] = lambda *a: None
         self._expected: dict[int, Expected] = {}
         self._failed: dict[int, str] = {}  # rooms the prefill side failed before they were expected (bounded)
@@ -126,8 +127,11 @@ class DecodeReceiver:
             return True
         start, end = sent.start, sent.end
         t0 = time.perf_counter()
+        states = torch.empty(0, dtype=torch.uint8)
         if end > start:  # always received (its size is bounded), even for an ended request: the stream stays in step
-            data = self.link.recv((end - start, sent.token_bytes), tag)
+            kv_bytes = (end - start) * sent.token_bytes
+            received = self.link.recv((kv_bytes + sent.state_bytes,), tag)
+            data, states = received[:kv_bytes].view(end - start, sent.token_bytes), received[kv_bytes:]
         else:  # the decode side held the whole prompt already
             data = torch.empty((0, self.link.layout.token_bytes), dtype=torch.uint8)
         seconds = time.perf_counter() - t0
@@ -141,9 +145,9 @@ class DecodeReceiver:
         self.stats.transfers += 1
         self.stats.tokens += end - start
         self.stats.skipped_tokens += start
-        self.stats.bytes += data.numel()
+        self.stats.bytes += data.numel() + states.numel()
         self.stats.seconds += seconds
-        self.post(lambda: self.on_kv(room, start, end, data, seconds))
+        self.post(lambda: self.on_kv(room, start, end, data, states, seconds))
         return True
 
     def _fail_room(self, room: Any, message: str) -> None:

@@ -26,6 +26,8 @@ class KVLayout:
     page_size: int
     token_bytes: int
     vocab_size: int
+    state_bytes: int = 0  # hybrid models: the linear-attention states of one request (after the KV's last position)
+    state_format: str = ""  # their dtypes and shapes, which must match too
 
     def differences(self, other: dict[str, Any]) -> list[str]:
         """``name: ours vs theirs`` for every field that differs."""
@@ -46,13 +48,15 @@ def _int(rec: dict[str, Any], name: str, low: int = 0, high: int | None = None) 
 
 @dataclass(frozen=True)
 class Sent:
-    """A prefill-side record ``seq/k``: the KV of ``[start, end)`` of room's prompt follows, or an error."""
+    """A prefill-side record ``seq/k``: the KV of ``[start, end)`` of room's prompt follows (and a
+    hybrid model's states after position ``end``, ``state_bytes``), or an error."""
 
     room: int
     start: int = 0
     end: int = 0
     token_bytes: int = 0
     error: str | None = None
+    state_bytes: int = 0
 
     @classmethod
     def parse(cls, rec: dict[str, Any], layout: KVLayout, max_tokens: int) -> Sent:
@@ -65,7 +69,8 @@ class Sent:
         start = _int(rec, "start")
         end = _int(rec, "end", start, start + max_tokens)
         token_bytes = _int(rec, "token_bytes", layout.token_bytes, layout.token_bytes) if end > start else 0
-        return cls(room, start, end, token_bytes)
+        state_bytes = _int(rec, "state_bytes", layout.state_bytes, layout.state_bytes) if end > start and layout.state_bytes else 0
+        return cls(room, start, end, token_bytes, state_bytes=state_bytes)
 
 
 def parse_have(rec: dict[str, Any]) -> dict[str, Any]:

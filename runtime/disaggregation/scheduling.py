@@ -11,6 +11,11 @@ A request joins a pair by its ``bootstrap_room`` (the router gives the same room
   computing nothing) until the KV arrives; then the KV is written into the reserved slots,
   inserted into the radix tree, and the request decodes from its last prompt token as if it had
   computed the prompt itself. An abort, a failed or late hand-over frees its slots uncached.
+
+A hybrid linear-attention model's request needs its recurrent states too: the prefill side keeps
+the states after all but the last prompt token (a mark at that position, ``marks_for``) and sends
+them after the KV; the decode side starts the request's state-pool row from them. Where the decode
+side held the whole prefix already, it resumed from its own snapshot there and nothing travels.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import torch
 
 from radixlm.radix_cache.pool import KVPool
+from radixlm.radix_cache.state_pool import StatePool
 from radixlm.runtime.disaggregation.link import KVLink
 from radixlm.runtime.disaggregation.receiver import DecodeReceiver
 from radixlm.runtime.disaggregation.records import KVLayout, prompt_digest
@@ -35,8 +41,11 @@ logger = logging.getLogger(__name__)
 
 def open_link_side(args: ServerArgs, runner) -> PrefillSender | DecodeReceiver:
     """The link side for ``args.disaggregation_mode`` over ``runner``'s KV pool (starts its thread)."""
-    cfg, pool = runner.config, runner.kv_pool
-    layout = KVLayout(cfg.num_layers, pool.num_kv_heads, pool.head_dim, runner.kv_format.name, args.page_size, pool.token_bytes(), cfg.vocab_size)
+    cfg, pool, states = runner.config, runner.kv_pool, runner.state_pool
+    layout = KVLayout(
+        cfg.num_layers, pool.num_kv_heads, pool.head_dim, runner.kv_format.name, args.page_size, pool.token_bytes(), cfg.vocab_size,
+        0 if states is None else states.row_nbytes, "" if states is None else states.row_format,
+    )  # fmt: skip
     secret = link_secret(args.disaggregation_bootstrap, getattr(args, "disaggregation_secret_file", None))
     link = KVLink(args.disaggregation_mode, args.disaggregation_bootstrap, layout, args.disaggregation_timeout, secret, pool.num_slots)
     if args.disaggregation_mode == "prefill":
@@ -51,10 +60,11 @@ def open_link_side(args: ServerArgs, runner) -> PrefillSender | DecodeReceiver:
 
 class Disaggregation:
     """The scheduler's prefill/decode hand-over (its ``DisaggregationHook``): admission to
-    ``receiving``, KV in and out of ``kv_pool``. The scheduler binds itself at ``attach_pd``."""
+    ``receiving``, KV in and out of ``kv_pool`` (and a hybrid model's states in and out of
+    ``state_pool``). The scheduler binds itself at ``attach_pd``."""
 
-    def __init__(self, side: PrefillSender | DecodeReceiver, kv_pool: KVPool) -> None:
-        self.side, self.kv_pool = side, kv_pool
+    def __init__(self, side: PrefillSender | DecodeReceiver, kv_pool: KVPool, state_pool: StatePool | None = None) -> None:
+        self.side, self.kv_pool, self.state_pool = side, kv_pool, state_pool
         self.sched: SchedulerOps | None = None  # set by bind
         self.role = side.role
         self.receiving: dict[int, Req] = {}  # decode side: room -> request waiting for its KV
@@ -108,8 +118,9 @@ class Disaggregation:
         self.receiving[room] = req
         return True
 
-    def on_kv(self, room: int, start: int, end: int, data: torch.Tensor, seconds: float) -> None:
-        """The prompt KV of ``room`` arrived (loop thread): store it, cache it, start decoding."""
+    def on_kv(self, room: int, start: int, end: int, data: torch.Tensor, states: torch.Tensor, seconds: float) -> None:
+        """The prompt KV of ``room`` (and a hybrid model's ``states`` after it) arrived (loop
+        thread): store it, cache it, start decoding."""
         req = self.receiving.pop(room, None)
         if req is None or req.finish is not None:
             return
@@ -121,13 +132,17 @@ class Disaggregation:
                 raise ValueError(f"got positions [{start}, {end}), expected [{req.kv.kv_len}, {len(req.input_ids) - 1})")
             pool = self.kv_pool
             pool.scatter_tokens(kv.slots(req.kv, start, end), data.to(pool.device))
+            if self.state_pool is not None and end > start:  # the linear layers resume where the received KV ends
+                self.state_pool.unpack(req.kv.row, states, end)
             kv.mark_computed(req.kv, end)
             kv.cache_prefix(req.kv, req.cache_ids)
+            if self.state_pool is not None:
+                kv.take_snapshots(req.kv, req.cache_ids, [end])  # later prompts sharing it resume here
         except Exception as exc:
             self.sched.finish(req, FinishReason("abort", message="aborted by request") if req.abort_requested else FinishReason.failure(f"storing the received KV failed: {exc}"))
             return
         req.bootstrap_room = None  # a retracted request recomputes its prompt here
-        req.pd_info = {"received_tokens": end - start, "received_bytes": data.numel(), "transfer_s": round(seconds, 6)}
+        req.pd_info = {"received_tokens": end - start, "received_bytes": data.numel() + states.numel(), "transfer_s": round(seconds, 6)}
         self.sched.running.append(req)
 
     def on_failed(self, room: int, message: str, status: int) -> None:
@@ -157,6 +172,13 @@ class Disaggregation:
         return False
 
     # ---------------------------------------------------------- prefill side
+    def marks_for(self, req: Req, marks: list[int]) -> list[int]:
+        """The prompt positions whose linear-attention states ``req``'s passes must keep: ``marks``
+        and, for a hybrid model's prefill-side request, all but its last token (what it hands over)."""
+        if self.role != "prefill" or req.bootstrap_room is None or self.state_pool is None or len(req.input_ids) < 2:
+            return marks
+        return sorted({*marks, len(req.input_ids) - 1})
+
     def prepare(self, req: Req, reason: FinishReason) -> SendJob | None:
         """Copy out the KV a prefill-side request computed, before its slots are released.
 
@@ -168,10 +190,16 @@ class Disaggregation:
         if reason.type != "length" or reason.status is not None or req.kv is None or req.kv.kv_len < n - 1:
             self.side.fail_room(req.bootstrap_room, reason.message or f"the prefill request ended ({reason.type})")
             return None
+        states = torch.empty(0, dtype=torch.uint8)
+        if self.state_pool is not None:
+            states = self.state_pool.pack(req.kv.row, n - 1)
+            if states is None:
+                self.side.fail_room(req.bootstrap_room, "the prefill side did not keep the linear-attention states of this prompt")
+                return None
         start = min(self.side.wanted_start(req.bootstrap_room), n - 1)
         data = self.kv_pool.gather_tokens(self.sched.kv.slots(req.kv, start, n - 1)).cpu()
         self.sending_salts[req.rid] = req.cache_salt
-        return SendJob(req.bootstrap_room, req.rid, n, prompt_digest(req.input_ids), start, data)
+        return SendJob(req.bootstrap_room, req.rid, n, prompt_digest(req.input_ids), start, data, states)
 
     def hand_over(self, job: SendJob, out: ReqOutput, sink) -> None:
         """Queue the hand-over; ``out`` reaches ``sink`` once the decode side has the KV."""

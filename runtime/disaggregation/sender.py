@@ -28,6 +28,7 @@ class SendJob:
     digest: str
     start: int  # position of data's first row
     data: torch.Tensor  # uint8 [end - start, token_bytes] for positions [start, n - 1)
+    states: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.uint8))  # hybrid models: the states after n - 1 tokens, as bytes
     deliver: Callable[[str | None, int, dict[str, Any]], None] = lambda *_: None  # (error or None, status, pd info)
     created: float = field(default_factory=time.monotonic)
     cancelled: str | None = None
@@ -169,16 +170,16 @@ class PrefillSender:
             self._done(job, msg, 500)
             return
         data = job.data[start - job.start : end - job.start]
-        tag = self._record(job.room, start=start, end=end, token_bytes=data.shape[1])
+        tag = self._record(job.room, start=start, end=end, token_bytes=data.shape[1], state_bytes=job.states.numel())
         t0 = time.perf_counter()
-        self.link.send(data, tag)
+        self.link.send(torch.cat([data.reshape(-1), job.states]), tag)
         seconds = time.perf_counter() - t0
         self.stats.transfers += 1
         self.stats.tokens += end - start
         self.stats.skipped_tokens += start
-        self.stats.bytes += data.numel()
+        self.stats.bytes += data.numel() + job.states.numel()
         self.stats.seconds += seconds
-        self._done(job, None, 0, {"sent_tokens": end - start, "sent_bytes": data.numel(), "transfer_s": round(seconds, 6)})
+        self._done(job, None, 0, {"sent_tokens": end - start, "sent_bytes": data.numel() + job.states.numel(), "transfer_s": round(seconds, 6)})
 
     def _record(self, room: int, **fields: Any) -> int:
         tag = self._seq

@@ -61,7 +61,7 @@ def build_parts(args: ServerArgs) -> EngineParts:
     end_ids = end_token_ids(tokenizer, runner.config.eos_token_ids)
     scheduler = Scheduler(args, runner, kv, OutputBuilder(tokenizer), end_ids, tokenizer)
     grammars = make_grammar_compiler(args, tokenizer, runner.config.vocab_size, end_ids)
-    pd = Disaggregation(open_link_side(args, runner), runner.kv_pool) if args.disaggregation_mode else None
+    pd = Disaggregation(open_link_side(args, runner), runner.kv_pool, runner.state_pool) if args.disaggregation_mode else None
     if pd is not None:
         scheduler.attach_pd(pd)
     return EngineParts(args, model_path, tokenizer, runner, kv, scheduler, grammars, pd)
@@ -70,13 +70,12 @@ def build_parts(args: ServerArgs) -> EngineParts:
 def _check_hybrid_options(args: ServerArgs, family: str) -> None:
     """Refuse, by name, the options a hybrid linear-attention model does not run with yet."""
     refused = {
-        "disaggregation_mode": args.disaggregation_mode is not None,
         "kv_host_cache_gb / kv_disk_cache_dir": args.kv_tiers_enabled,
         "speculative_algorithm='draft'": args.speculative_algorithm == "draft",
     }
     for name, chosen in refused.items():
         if chosen:
-            raise ValueError(f"{name} does not run with a hybrid linear-attention model ({family}) yet: its recurrent states stay on one engine")
+            raise ValueError(f"{name} does not run with a hybrid linear-attention model ({family}) yet: its recurrent states do not travel there")
 
 
 def make_kv_tiers(args: ServerArgs, model_path: str, runner: ModelRunner) -> KVTiers:

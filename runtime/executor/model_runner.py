@@ -17,6 +17,7 @@ import torch
 from radixlm.kernels.cpu_ext import cpu_kernels
 from radixlm.kernels.kv_quant import resolve_kv_format
 from radixlm.radix_cache.pool import KVPool
+from radixlm.radix_cache.state_journal import StateJournal
 from radixlm.radix_cache.state_pool import StatePool
 from radixlm.radix_cache.state_snapshots import StateSnapshots
 from radixlm.runtime.distributed.group import TPGroup
@@ -35,7 +36,8 @@ from radixlm.runtime.loader import (
     weight_bytes,
 )
 from radixlm.runtime.lora.manager import LoraManager
-from radixlm.runtime.models.sharding import plan_shard
+from radixlm.runtime.models.config import ModelConfig
+from radixlm.runtime.models.sharding import TPShard, linear_spec, plan_shard
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.threads import configure_threads
 
@@ -77,6 +79,7 @@ class ModelRunner:
         self.group = group
         self.reserved_bytes = 0  # memory the KV pool leaves to other per-request state (a hybrid model's state pool)
         self.state_snapshots: StateSnapshots | None = None
+        self.state_journal: StateJournal | None = None  # rank 0 of a hybrid model's group: the state decisions the workers repeat
         if self.device.type == "cpu" and group is None:
             self._build_cpu_kernels()  # before any worker starts, which then finds them built
         if args.tp_size > 1 and group is None:
@@ -97,7 +100,8 @@ class ModelRunner:
         shards = [plan_shard(cfg, r, size) for r in range(size)]  # a model that cannot split is refused here
         kv_format = resolve_kv_format(self.args.kv_cache_dtype, self.dtype)
         layouts = [cfg.kv_layout(s.num_kv_heads) for s in shards]  # (kv heads, width, latent width) of each rank's pool
-        per_rank = [KVPool.bytes_per_token(cfg.num_layers, heads, dim, self.dtype, kv_format, latent) for heads, dim, latent in layouts]
+        per_rank = [KVPool.bytes_per_token(cfg.kv_layers, heads, dim, self.dtype, kv_format, latent) for heads, dim, latent in layouts]
+        self._plan_states(cfg, shards)  # before the workers start: they size their state pools from the same args
         # CPU ranks share the host's memory; each GPU rank has its own device
         pool_tokens = self._pool_size(sum(per_rank) if self.device.type == "cpu" else max(per_rank))
         prepare_weights(model_path)
@@ -145,28 +149,44 @@ class ModelRunner:
             type(self.attn_backend).__name__,
         )
 
-    def _state_pool(self) -> StatePool | None:
-        """The linear-attention states of a hybrid model: one slot per request-table row (the
-        engine's table has ``max_running_requests + 8``), taken out of the memory the KV pool may
-        use, with as many snapshots of them for the radix tree (``StateSnapshots``);
-        ``max_running_requests`` is lowered where both would take over half of it."""
-        spec = self.config.linear
-        if spec is None:
-            return None
-        args, layers = self.args, self.config.linear_layers
-        snapshot = StatePool.bytes_per_row(layers, spec.conv_state_shape, spec.state_shape, self.dtype)
-        per_row = snapshot + StatePool.bytes_per_row(layers, spec.conv_state_shape, spec.state_shape, self.dtype, args.page_size)  # its slot, and a snapshot in the tree
+    def _plan_states(self, cfg: ModelConfig, shards: list[TPShard | None]) -> None:
+        """Reserve, out of the memory the KV pool may use, a hybrid model's linear-attention states:
+        one slot per request-table row (the engine's table has ``max_running_requests + 8``) and as
+        many snapshots for the radix tree, on every rank of ``shards`` (summed where the ranks share
+        the host's memory); ``max_running_requests`` is lowered where they would take over half of it."""
+        if cfg.linear is None:
+            return
+        args, layers = self.args, cfg.linear_layers
+        per_rank = []
+        for shard in shards:
+            spec = linear_spec(cfg, shard)
+            snapshot = StatePool.bytes_per_row(layers, spec.conv_state_shape, spec.state_shape, self.dtype)
+            per_rank.append(snapshot + StatePool.bytes_per_row(layers, spec.conv_state_shape, spec.state_shape, self.dtype, args.page_size))  # its slot, and a snapshot in the tree
+        per_row = sum(per_rank) if self.device.type == "cpu" else max(per_rank)
         fits = int(available_memory_bytes(self.device) * args.mem_fraction_static / 2 // per_row) - 8  # half the cache memory at most
         if fits < 1:
             raise ValueError(f"mem_fraction_static {args.mem_fraction_static} leaves no room for one request's linear-attention states ({per_row / 2**20:.1f} MiB)")
         if args.max_running_requests > fits:
             logger.warning("max_running_requests lowered from %d to %d: each request's linear-attention states take %.1f MiB", args.max_running_requests, fits, per_row / 2**20)
             args.max_running_requests = fits  # the request table and the scheduler are sized from it after the runner
+        self.reserved_bytes = (args.max_running_requests + 8) * per_row
+
+    def _state_pool(self) -> StatePool | None:
+        """The linear-attention states of this rank's heads of a hybrid model (planned by
+        ``_plan_states``: here without tensor parallelism, before the workers start with it)."""
+        spec = linear_spec(self.config, self.shard)
+        if spec is None:
+            return None
+        if self.group is None:
+            self._plan_states(self.config, [None])
+        args, layers = self.args, self.config.linear_layers
         rows = args.max_running_requests + 8
         pool = StatePool(rows, layers, spec.conv_state_shape, spec.state_shape, self.dtype, self.device, args.page_size)
         self.state_snapshots = StateSnapshots(pool, rows)
-        self.reserved_bytes = pool.nbytes() + self.state_snapshots.nbytes()
-        logger.info("state pool: %d requests x %d linear-attention layers and as many tree snapshots, %.1f MiB", rows, layers, self.reserved_bytes / 2**20)
+        if self.driver is not None:  # rank 0: the workers repeat its commits, snapshots and restores
+            self.state_journal = pool.journal = self.state_snapshots.journal = StateJournal()
+        logger.info("state pool: %d requests x %d linear-attention layers and as many tree snapshots, %.1f MiB",
+                    rows, layers, (pool.nbytes() + self.state_snapshots.nbytes()) / 2**20)  # fmt: skip
         return pool
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -222,7 +242,7 @@ class ModelRunner:
             return self._forward(batch)
         self.driver.check()
         try:
-            send_batch(self.group, batch)
+            send_batch(self.group, batch, self.state_journal)
             return self._forward(batch)
         except Exception as exc:
             raise self.driver.error_from(exc) from exc

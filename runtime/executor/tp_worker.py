@@ -62,7 +62,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         os._exit(1)
     conn.send(("ready", None))
     try:
-        while (batch := receive_batch(group, runner.kv_pool, runner.attn_backend)) is not None:
+        while (batch := receive_batch(group, runner.kv_pool, runner.attn_backend, runner.state_pool, runner.state_snapshots)) is not None:
             if batch.inject_worker_fault:
                 raise InjectedFault("injected fault in a tensor-parallel worker")
             runner.forward(batch)

@@ -56,11 +56,17 @@ class ForwardBatch:
     state_pool: StatePool | None = None  # linear-attention states (hybrid models only)
     state_keeps: list[int] | None = None  # per row: after how many of its last tokens a state is staged (None: the last only)
     state_marks: list[list[int]] | None = None  # per row: positions inside it whose states are staged for the tree's snapshots
+    state_rows: torch.Tensor | None = None  # tensor-parallel workers: the state pool's rows of the batch's rows (rank 0's table rows)
 
     @property
     def batch_size(self) -> int:
         """Number of rows."""
         return len(self.extend_lens)
+
+    @property
+    def pool_rows(self) -> torch.Tensor:
+        """The state pool's rows of the batch's rows: the request-table rows, as rank 0 numbers them."""
+        return self.req_rows if self.state_rows is None else self.state_rows
 
     def state_keep(self, row: int) -> int:
         """After how many of row ``row``'s last tokens a linear-attention state is staged (those

@@ -40,6 +40,7 @@ from torch import nn
 from radixlm.kernels.cpu_ext import cpu_kernels
 
 if TYPE_CHECKING:
+    from radixlm.runtime.distributed.group import TPGroup
     from radixlm.runtime.layers.forward_batch import ForwardBatch
 
 CHUNK = 64  # tokens per block of the chunked form (transformers' default)
@@ -189,11 +190,12 @@ class GatedDeltaNet(nn.Module):
 
     ``in_proj`` holds q, k, v (the convolution's channels), z, b and a in that order (Qwen3.5's
     four projections; Qwen3-Next's interleaved pair is reordered into them at load).
-    ``state_layer`` indexes this layer's states in the pool."""
+    ``state_layer`` indexes this layer's states in the pool. Under tensor parallelism ``spec`` is
+    this rank's heads (``radixlm.runtime.models.sharding``) and ``group`` sums the ranks' outputs."""
 
-    def __init__(self, hidden_size: int, spec: GatedDeltaSpec, state_layer: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, spec: GatedDeltaSpec, state_layer: int, eps: float, group: TPGroup | None = None) -> None:
         super().__init__()
-        self.spec, self.state_layer = spec, state_layer
+        self.spec, self.state_layer, self.group = spec, state_layer, group
         self.in_proj = nn.Linear(hidden_size, spec.conv_dim + spec.value_dim + 2 * spec.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(spec.conv_dim, spec.conv_dim, spec.conv_kernel, groups=spec.conv_dim, bias=False)
         self.A_log = nn.Parameter(torch.zeros(spec.num_v_heads))
@@ -262,7 +264,8 @@ class GatedDeltaNet(nn.Module):
             start += n
         core = torch.cat(outs).to(x.dtype)  # [T, Hv, dv]
         core = self.norm(core, z.reshape(-1, s.num_v_heads, s.head_v_dim))
-        return self.out_proj(core.reshape(x.shape[0], s.value_dim))
+        out = self.out_proj(core.reshape(x.shape[0], s.value_dim))
+        return out if self.group is None else self.group.all_reduce(out)
 
     def _qkv(self, conv: torch.Tensor, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (normalised, q scaled, repeated to the value heads unless ``repeat`` is false) and v

@@ -116,6 +116,11 @@ class ModelConfig:
             return 1, self.mla.row_dim, self.mla.kv_lora_rank
         return (self.num_kv_heads if num_kv_heads is None else num_kv_heads), self.head_dim, None
 
+    @property
+    def attn_output_gate(self) -> bool:
+        """True where ``q_proj`` gives each head a gate beside its query (Qwen3-Next, Qwen3.5: the hybrid families)."""
+        return self.linear is not None
+
     def is_linear(self, layer: int) -> bool:
         """True where ``layer`` mixes tokens by linear attention (a recurrent state, no KV)."""
         return self.linear is not None and self.layer_types is not None and self.layer_types[layer] == "linear_attention"

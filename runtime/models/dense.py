@@ -41,7 +41,7 @@ from radixlm.runtime.layers.moe import MoEBlock
 from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.rope import RotaryEmbedding, apply_rotary
 from radixlm.runtime.models.config import ModelConfig
-from radixlm.runtime.models.sharding import TPShard, shard_rows
+from radixlm.runtime.models.sharding import Spans, TPShard, linear_spec, shard_spans
 from radixlm.runtime.models.weight_names import FUSED, module_of, target_of
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class DenseDecoderLayer(nn.Module):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps)
         if cfg.is_linear(layer_id):  # a hybrid model's linear-attention layer: a recurrent state, no KV
-            self.linear_attn = GatedDeltaNet(hidden, cfg.linear, cfg.pool_layer(layer_id), eps)
+            self.linear_attn = GatedDeltaNet(hidden, linear_spec(cfg, shard), cfg.pool_layer(layer_id), eps, group)
         else:
             self.self_attn = DenseAttention(cfg, arch, layer_id, shard, group) if cfg.mla is None else latent_attention(cfg, layer_id, shard, group)
         self.post_attention_layernorm = RMSNorm(hidden, eps)  # Gemma: on the attention output; else: before the MLP
@@ -325,7 +325,7 @@ class DenseForCausalLM(nn.Module):
                 if name.endswith(".bias") and not source[:].any():
                     continue  # GPTQ writers save a zero bias for every quantized layer
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            tensor = _take(source, None if shard is None else shard_rows(shard, cfg, module_of(name)), shard)
+            tensor = _take(source, None if shard is None else shard_spans(shard, cfg, module_of(name)), shard)
             param = params[target]
             dst = param.data if offset is None else param.data.narrow(0, offset, tensor.shape[0])
             if dst.shape != tensor.shape:
@@ -381,15 +381,16 @@ def _rotary(cfg: ModelConfig, theta: float, scaling: dict | None) -> RotaryEmbed
     return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, scaling, rotary_dim=rotary_dim)
 
 
-def _take(source, rows: tuple[int, int, int] | None, shard: TPShard | None = None) -> torch.Tensor:
+def _take(source, spans: Spans | None, shard: TPShard | None = None) -> torch.Tensor:
     """The part of a checkpoint tensor (a tensor or a lazy safetensors slice) this rank keeps.
 
     A row-parallel projection's bias is added once to the sum of the ranks' partial outputs:
     rank 0 keeps it, the others hold zeros."""
-    if rows is None:
+    if spans is None:
         return source[:]
-    dim, start, stop = rows
+    dim, ranges = spans
     if dim == 1 and len(source.get_shape() if hasattr(source, "get_shape") else source.shape) == 1:
         bias = source[:]
         return bias if shard is None or shard.rank == 0 else torch.zeros_like(bias)
-    return source[start:stop] if dim == 0 else source[:, start:stop]
+    parts = [source[start:stop] if dim == 0 else source[:, start:stop] for start, stop in ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

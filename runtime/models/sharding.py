@@ -29,15 +29,26 @@ chosen expert on a slice and one all-reduce sums the block. The alternative, who
 rank, reads fewer, larger matrices but leaves ranks idle when a batch's tokens choose experts
 on one rank; at batch 1 (k of E experts chosen) it would put all of a token's work on at most k
 ranks. The router is whole on every rank, so all ranks choose the same experts.
+
+A hybrid model's Gated DeltaNet layers split by key heads, each with the value heads that read
+it (as grouped-query attention splits by KV heads): a rank keeps its heads' rows of the q, k and v
+parts of ``in_proj_qkv`` and of the short convolution's channels (three spans each), its value
+heads' rows of ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, ``A_log`` and ``dt_bias``, and their
+columns of ``out_proj`` (row-parallel, all-reduced). The gated output norm acts per value head and
+is whole on every rank. So each rank holds the recurrent and convolution states of its own heads
+only; the per-request state pool and the tree's snapshots split with them. The full-attention
+layers' ``q_proj`` holds each head's query and gate side by side: a rank keeps both for its heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from radixlm.runtime.layers.gated_delta import GatedDeltaSpec
     from radixlm.runtime.models.config import ModelConfig
 
 QUANT_GROUP = 32
@@ -63,6 +74,7 @@ class TPShard:
     vocab_per_rank: int  # width every rank's logits are padded to before they are gathered
     expert_intermediate: tuple[int, int] = (0, 0)  # each routed expert's rows on this rank (MoE models)
     shared_intermediate: tuple[int, int] = (0, 0)  # the shared experts' rows on this rank
+    linear_k_heads: tuple[int, int] = (0, 0)  # hybrid models: the Gated DeltaNet key heads on this rank (with their value heads)
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -109,8 +121,11 @@ def plan_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} is outside a group of size {size}")
     heads, kv = cfg.num_heads, cfg.num_kv_heads
-    if cfg.linear is not None and size > 1:
-        raise ValueError(f"tp_size {size} (--tp-size): a hybrid linear-attention model ({cfg.architecture}) runs on one rank only")
+    linear = (0, 0)
+    if cfg.linear is not None:
+        if cfg.linear.num_k_heads < size:
+            raise ValueError(f"tp_size {size} (--tp-size) is larger than the {cfg.linear.num_k_heads} linear-attention key heads a hybrid model splits across ranks")
+        linear = _split(cfg.linear.num_k_heads, size, rank)
     if cfg.mla is not None and size > heads:
         raise ValueError(f"tp_size {size} (--tp-size) is larger than the {heads} attention heads a latent-attention model splits across ranks")
     group = heads // kv
@@ -136,7 +151,17 @@ def plan_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
     experts = (0, 0) if moe is None else _split_rows(moe.intermediate_size, size, rank, "moe_intermediate_size")
     shared = (0, 0) if moe is None or not moe.shared_intermediate_size else _split_rows(moe.shared_intermediate_size, size, rank, "the shared experts' intermediate size")
     inter = _split_rows(cfg.intermediate_size, size, rank, "intermediate size")
-    return TPShard(rank, size, head_range, kv_range, inter, vocab, per_rank, experts, shared)
+    return TPShard(rank, size, head_range, kv_range, inter, vocab, per_rank, experts, shared, linear)
+
+
+def linear_spec(cfg: ModelConfig, shard: TPShard | None) -> GatedDeltaSpec | None:
+    """The Gated DeltaNet shapes on ``shard``'s rank (its key heads and their value heads); the
+    whole model's without a shard, None for a model without linear-attention layers."""
+    spec = cfg.linear
+    if spec is None or shard is None:
+        return spec
+    keys = shard.linear_k_heads[1] - shard.linear_k_heads[0]
+    return dataclasses.replace(spec, num_k_heads=keys, num_v_heads=keys * (spec.num_v_heads // spec.num_k_heads))
 
 
 def _split_rows(rows: int, size: int, rank: int, what: str) -> tuple[int, int]:
@@ -147,29 +172,54 @@ def _split_rows(rows: int, size: int, rank: int, what: str) -> tuple[int, int]:
     return _split(rows, size, rank, unit)
 
 
-def shard_rows(shard: TPShard, cfg: ModelConfig, hf_module: str) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)`` of a checkpoint tensor that this rank keeps, or None for all of it.
+Spans = tuple[int, tuple[tuple[int, int], ...]]  # (dim, ((start, stop), ...)): the slices of a tensor a rank keeps, in order
+
+
+def shard_spans(shard: TPShard, cfg: ModelConfig, hf_module: str) -> Spans | None:
+    """``(dim, spans)``: the slices along ``dim`` of a checkpoint tensor that this rank keeps
+    (concatenated in order), or None for all of it.
 
     ``hf_module`` is the Hugging Face module name without layer prefix or ``.weight``/``.bias``
-    (``self_attn.q_proj``, ``mlp.down_proj``, ``embed_tokens``, ``lm_head``, …).
+    (``self_attn.q_proj``, ``mlp.down_proj``, ``embed_tokens``, ``lm_head``, ``linear_attn.A_log``, …).
     """
+    if cfg.linear is not None and hf_module.startswith("linear_attn."):
+        return _linear_spans(shard, cfg.linear, hf_module.removeprefix("linear_attn."))
     if cfg.mla is not None and hf_module in _MLA_ROWS:
         per_head = _MLA_ROWS[hf_module](cfg)
-        return (1 if hf_module == "self_attn.o_proj" else 0), shard.heads[0] * per_head, shard.heads[1] * per_head
+        return (1 if hf_module == "self_attn.o_proj" else 0), ((shard.heads[0] * per_head, shard.heads[1] * per_head),)
     d = cfg.head_dim
     if hf_module == "self_attn.q_proj":
-        return 0, shard.heads[0] * d, shard.heads[1] * d
+        per_head = d * (2 if cfg.attn_output_gate else 1)  # gated: each head's query rows, then its gate rows
+        return 0, ((shard.heads[0] * per_head, shard.heads[1] * per_head),)
     if hf_module in ("self_attn.k_proj", "self_attn.v_proj"):
-        return 0, shard.kv_heads[0] * d, shard.kv_heads[1] * d
+        return 0, ((shard.kv_heads[0] * d, shard.kv_heads[1] * d),)
     if hf_module == "self_attn.sinks":
-        return 0, *shard.heads
+        return 0, (shard.heads,)
     if hf_module == "self_attn.o_proj":
-        return 1, shard.heads[0] * d, shard.heads[1] * d
+        return 1, ((shard.heads[0] * d, shard.heads[1] * d),)
     mlp = _MLP_PART.match(hf_module)
     if mlp:
         owner, part = mlp.groups()
         rows = shard.intermediate if owner == "mlp" else shard.shared_intermediate if owner.endswith("shared_experts") else shard.expert_intermediate
-        return (1, *rows) if part == "down_proj" else (0, *rows)
+        return (1, (rows,)) if part == "down_proj" else (0, (rows,))
     if hf_module in ("embed_tokens", "lm_head"):
-        return 0, *shard.vocab
+        return 0, (shard.vocab,)
     return None
+
+
+def _linear_spans(shard: TPShard, spec: GatedDeltaSpec, part: str) -> Spans | None:
+    """The slices of a Gated DeltaNet tensor (``part`` of ``linear_attn``) on ``shard``'s rank."""
+    k0, k1 = shard.linear_k_heads
+    per = spec.num_v_heads // spec.num_k_heads
+    v0, v1 = k0 * per, k1 * per
+    dk, dv = spec.head_k_dim, spec.head_v_dim
+    if part in ("in_proj_qkv", "conv1d"):  # q, k and v side by side: this rank's heads of each
+        key = spec.key_dim
+        return 0, ((k0 * dk, k1 * dk), (key + k0 * dk, key + k1 * dk), (2 * key + v0 * dv, 2 * key + v1 * dv))
+    if part == "in_proj_z":
+        return 0, ((v0 * dv, v1 * dv),)
+    if part in ("in_proj_b", "in_proj_a", "A_log", "dt_bias"):
+        return 0, ((v0, v1),)
+    if part == "out_proj":
+        return 1, ((v0 * dv, v1 * dv),)
+    return None  # the gated output norm: per value head, whole on every rank

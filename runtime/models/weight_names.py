@@ -23,6 +23,8 @@ LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _OTHER_LAYER_TENSORS = {
     "self_attn.sinks": ("self_attn", "sinks"),
     "mlp.gate.e_score_correction_bias": ("mlp.router", "correction_bias"),
+    "linear_attn.A_log": ("linear_attn", "A_log"),
+    "linear_attn.dt_bias": ("linear_attn", "dt_bias"),
 }
 _OTHER_NAME = re.compile(r"^model\.layers\.(\d+)\.(" + "|".join(re.escape(k) for k in _OTHER_LAYER_TENSORS) + r")$")
 _PARTS = {

@@ -123,6 +123,8 @@ class Admission(Finishing):
                 continue
             req.kv = state
             req.state_marks = self.kv.snapshot_points(req.cache_ids, req.max_cacheable_prefix(), len(prefix_slots))
+            if self.pd is not None:
+                req.state_marks = self.pd.marks_for(req, req.state_marks)
             req.run_class = priority.effective_class(req, priority.clock(), self.args.priority_aging_s)
             self.note_admission(req, len(prefix_slots), node)
             self.waiting.remove(req)

@@ -73,6 +73,10 @@ class DisaggregationHook(Protocol):
         """Mark a request this side holds for abortion; False if unknown."""
         ...
 
+    def marks_for(self, req: Req, marks: list[int]) -> list[int]:
+        """The prompt positions whose linear-attention states ``req`` must keep: ``marks`` and what this side hands over."""
+        ...
+
     def prepare(self, req: Req, reason: FinishReason) -> object | None:
         """At finish, before the request's KV is released: what to hand over (None: nothing)."""
         ...
