@@ -8,8 +8,9 @@ a request starting its sequence)::
 
 Each program owns one ``(b, h)`` and a block of ``BLOCK_V`` value columns: it loads that
 ``[dk, BLOCK_V]`` tile of ``S`` once, applies the decay, the read-out of ``k``, the rank-one
-update and the read-out of ``q`` in registers, and writes the new tile to ``new_states`` (the
-pool's committed state is never written: the scheduler commits the staged state after the pass).
+update and the read-out of ``q`` in registers, and writes the new tile to ``new_states`` at row
+``out_rows[b]`` (``b`` without them; the pool's committed state is never written: the scheduler
+commits the staged state after the pass, by taking the row it was written to).
 The columns of ``S`` are independent in this update, so the tiles need no communication.
 ``dk`` is a power of two up to 256 (every published model: 128).
 """
@@ -23,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def _step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, rows_ptr, out_ptr, new_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, rows_ptr, out_ptr, new_ptr, out_rows_ptr,
     H, GROUPS, DV,
     s_qb, s_qh, s_vb, s_vh, s_gb, s_gh, s_sr, s_sh, s_sk, s_ob, s_oh, s_nb, s_nh, s_nk,
     DK: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -47,7 +48,8 @@ def _step_kernel(
     tile = tile + k[:, None] * delta[None, :]
     out = tl.sum(tile * q[:, None], axis=0)
     tl.store(out_ptr + b * s_ob + h * s_oh + cols, out, mask=cmask)
-    tl.store(new_ptr + b * s_nb + h * s_nh + keys[:, None] * s_nk + cols[None, :], tile, mask=cmask[None, :])
+    out_row = tl.load(out_rows_ptr + b)
+    tl.store(new_ptr + out_row * s_nb + h * s_nh + keys[:, None] * s_nk + cols[None, :], tile, mask=cmask[None, :])
 
 
 def gated_delta_step(
@@ -59,12 +61,15 @@ def gated_delta_step(
     states: torch.Tensor,
     rows: torch.Tensor,
     out_state: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step for ``B`` requests: ``q``/``k`` ``[B, Hk, dk]`` (each key head serving
     ``H / Hk`` consecutive value heads), ``v`` ``[B, H, dv]``, ``g``/``beta`` ``[B, H]``, ``states``
     ``[rows, H, dk, dv]`` fp32 (the pool's, read only) and ``rows`` ``[B]`` (each request's pool
     row, -1 for zeros). Returns the outputs ``[B, H, dv]`` and the new states ``[B, H, dk, dv]``
-    (written into ``out_state`` where given), both fp32."""
+    (written into ``out_state`` where given), both fp32; with ``out_rows`` ``[B]``, request ``b``'s
+    new state goes to row ``out_rows[b]`` of ``out_state`` ``[N, H, dk, dv]`` (which may be
+    ``states`` itself, at rows no request reads)."""
     b, key_heads, dk = q.shape
     heads, dv = v.shape[1], v.shape[-1]
     if k.shape != q.shape or v.shape[0] != b or heads % key_heads or g.shape != (b, heads) or beta.shape != (b, heads):
@@ -78,14 +83,23 @@ def gated_delta_step(
     rows = rows.to(device=q.device, dtype=torch.int64)
     out = torch.empty(b, heads, dv, dtype=torch.float32, device=q.device)
     new = torch.empty(b, heads, dk, dv, dtype=torch.float32, device=q.device) if out_state is None else out_state
-    if new.shape != (b, heads, dk, dv) or new.dtype != torch.float32 or new.stride(-1) != 1:
-        raise ValueError(f"out_state must be fp32 [{b}, {heads}, {dk}, {dv}] with contiguous columns, got {new.dtype} {tuple(new.shape)}")
+    if out_rows is None:
+        if new.shape != (b, heads, dk, dv):
+            raise ValueError(f"out_state must be fp32 [{b}, {heads}, {dk}, {dv}], got {tuple(new.shape)}")
+        out_rows = torch.arange(b, device=q.device)
+    elif out_state is None or out_rows.shape != (b,) or len(set(out_rows.tolist())) != b:
+        raise ValueError("out_rows needs out_state and [B] distinct rows")
+    elif new.data_ptr() == states.data_ptr() and bool(torch.isin(out_rows.cpu(), rows.cpu()).any()):
+        raise ValueError("out_rows into the states themselves must be rows no request reads")
+    if new.shape[1:] != (heads, dk, dv) or new.dtype != torch.float32 or new.stride(-1) != 1:
+        raise ValueError(f"out_state must be fp32 [N, {heads}, {dk}, {dv}] with contiguous columns, got {new.dtype} {tuple(new.shape)}")
+    out_rows = out_rows.to(device=q.device, dtype=torch.int64)
     if b == 0:
         return out, new
     block_v = min(triton.next_power_of_2(dv), 32 if dk > 64 else 64)
     grid = (b * heads, triton.cdiv(dv, block_v))
     _step_kernel[grid](
-        q, k, v, g, beta, states, rows, out, new,
+        q, k, v, g, beta, states, rows, out, new, out_rows,
         heads, heads // key_heads, dv,
         q.stride(0), q.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1), new.stride(0), new.stride(1), new.stride(2),

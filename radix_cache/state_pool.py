@@ -13,6 +13,15 @@ scheduler **commits**, per row, the state at the length it kept (``commit``)::
 A pass that raises commits nothing (its rows are re-run from the committed states), and a row
 whose request starts over (a new prompt, or one retracted) begins from zeros.
 
+Recurrent states are large (a MiB per layer and request at Qwen3.5-0.8B's shape), so a decode
+step does not copy them at commit: each row's committed state lives in a **slot** of ``state``
+(``home``), and the pool keeps ``spare`` slots besides the rows' own. A decode pass of at most
+``spare`` rows has the fused kernel write each row's new state into a spare slot
+(``decode_targets``); committing it swaps that slot and the row's old one, which becomes spare::
+
+    row 3 at slot 3, spare 16:  kernel reads slot 3, writes slot 16
+    commit (kept the new token): row 3 at slot 16, spare 3      (not kept: spare 16 again)
+
 Under tensor parallelism every rank holds such a pool for its own heads. Rank 0 alone decides what
 is committed and snapshotted; its pool and snapshot store write those decisions to a
 ``StateJournal`` (``radixlm.radix_cache.state_journal``) that the workers repeat before their next pass.
@@ -44,6 +53,8 @@ class PassRows(Protocol):
 class StatePool:
     """Per-request states of ``layers`` linear-attention layers for ``rows`` request-table rows."""
 
+    SPARE = 4  # recurrent-state slots beyond the rows' own: decode passes of up to this many rows commit without a copy
+
     def __init__(
         self,
         rows: int,
@@ -53,18 +64,23 @@ class StatePool:
         conv_dtype: torch.dtype,
         device: torch.device | str = "cpu",
         page_size: int = 1,
+        spare: int = SPARE,
     ) -> None:
         if rows <= 0 or layers <= 0:
             raise ValueError("a state pool needs at least one row and one layer")
         self.rows, self.layers, self.page_size = rows, layers, page_size
         self.conv = torch.zeros((layers, rows, *conv_shape), dtype=conv_dtype, device=device)
-        self.state = torch.zeros((layers, rows, *state_shape), dtype=torch.float32, device=device)
+        self.state = torch.zeros((layers, rows + spare, *state_shape), dtype=torch.float32, device=device)  # slots
+        self.home = list(range(rows))  # per row: the slot of ``state`` that holds its committed state
+        self._spare = list(range(rows + spare - 1, rows - 1, -1))
+        self._targets: list[int] | None = None  # this pass: the slot each decode row's new state is written to ([]: none)
+        self._target_index: torch.Tensor | None = None
         self.lengths = [0] * rows  # per row: the sequence length its committed state is the state after
         # pages of more than one token: each row's states at the last page boundary it passed (the
         # radix tree holds whole pages, so a finished request's snapshot is taken there)
         self.boundary: tuple[torch.Tensor, torch.Tensor] | None = None
         if page_size > 1:
-            self.boundary = (torch.zeros_like(self.conv), torch.zeros_like(self.state))
+            self.boundary = (torch.zeros_like(self.conv), torch.zeros((layers, rows, *state_shape), dtype=torch.float32, device=device))
         self.boundary_lengths = [0] * rows
         self._batch_rows: list[int] = []
         self._index: dict[int, int] = {}  # request-table row -> its row in the pass
@@ -78,8 +94,12 @@ class StatePool:
 
     def nbytes(self) -> int:
         """Bytes the pool holds."""
-        copies = 1 if self.boundary is None else 2
-        return copies * (self.conv.nbytes + self.state.nbytes)
+        boundary = 0 if self.boundary is None else self.boundary[0].nbytes + self.boundary[1].nbytes
+        return self.conv.nbytes + self.state.nbytes + boundary
+
+    def committed(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s committed conv and recurrent states over all layers (views, ``[layers, ...]``)."""
+        return self.conv[:, row], self.state[:, self.home[row]]
 
     @staticmethod
     def bytes_per_row(layers: int, conv_shape: tuple[int, ...], state_shape: tuple[int, ...], conv_dtype: torch.dtype, page_size: int = 1) -> int:
@@ -89,6 +109,7 @@ class StatePool:
 
     def begin(self, batch: PassRows) -> None:
         """Start a pass over ``batch``: forget anything staged by a pass that never committed."""
+        self._release_targets()
         self._batch_rows = batch.pool_rows.tolist()
         self._index = {row: i for i, row in enumerate(self._batch_rows)}
         for row, prefix in zip(self._batch_rows, batch.prefix_lens):
@@ -106,7 +127,8 @@ class StatePool:
         ``[B - states_from, *state_shape]``, copies. (A kernel reads the first rows' recurrent
         states where they lie instead: ``in_place``.)"""
         rows = batch.pool_rows.to(self.conv.device)
-        conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, rows[states_from:])
+        homes = torch.tensor([self.home[r] for r in self._batch_rows[states_from:]], dtype=torch.int64, device=self.state.device)
+        conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, homes)
         fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
         if fresh:
             conv[fresh] = 0
@@ -116,13 +138,30 @@ class StatePool:
         return conv, state
 
     def in_place(self, layer: int, batch: PassRows, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed recurrent states of ``layer`` where the pool holds them, ``[rows,
-        *state_shape]`` (to read only: they change at ``commit`` alone), and for each of
-        ``batch``'s first ``n`` rows the pool row of its state (int64 ``[n]``; -1 for a row that
-        starts its sequence: its state is zeros)."""
-        rows = batch.pool_rows[:n].to(device="cpu", dtype=torch.int64, copy=True)
-        rows[[i for i in range(n) if batch.prefix_lens[i] == 0]] = -1
-        return self.state[layer], rows
+        """The recurrent state slots of ``layer``, ``[slots, *state_shape]`` (to read only: the
+        committed ones change at ``commit`` alone), and for each of ``batch``'s first ``n`` rows
+        the slot of its committed state (int64 ``[n]``; -1 for a row that starts its sequence: its
+        state is zeros)."""
+        slots = [-1 if batch.prefix_lens[i] == 0 else self.home[r] for i, r in enumerate(self._batch_rows[:n])]
+        return self.state[layer], torch.tensor(slots, dtype=torch.int64)
+
+    def decode_targets(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Where the fused kernel writes the new recurrent states of the pass's first ``n`` rows
+        (decode rows) in ``layer``: the state slots and a spare slot per row (int64 ``[n]``) when
+        the pool has that many spare, else ``scratch`` and None (row ``i`` at ``i``). The same
+        slots serve every layer of the pass; a row whose state ``commit`` keeps moves to its slot."""
+        if self._targets is None:
+            self._targets = [self._spare.pop() for _ in range(n)] if n <= len(self._spare) else []
+            self._target_index = torch.tensor(self._targets, dtype=torch.int64)
+        if len(self._targets) != n:
+            return self.scratch(layer, n), None
+        return self.state[layer], self._target_index
+
+    def _release_targets(self) -> None:
+        """Give back the spare slots of a pass that did not commit them."""
+        if self._targets:
+            self._spare.extend(self._targets)
+        self._targets = self._target_index = None
 
     def scratch(self, layer: int, rows: int) -> torch.Tensor:
         """Room for ``rows`` new recurrent states of ``layer`` in this pass (``[rows, *state_shape]``,
@@ -177,7 +216,7 @@ class StatePool:
             if h in self._marked[0][i]:
                 return torch.stack([m[i][h][0] for m in self._marked]), torch.stack([m[i][h][1] for m in self._marked])
         if self.lengths[row] == length and length > 0:
-            return self.conv[:, row], self.state[:, row]
+            return self.committed(row)
         if self.boundary is not None and self.boundary_lengths[row] == length and length > 0:
             return self.boundary[0][:, row], self.boundary[1][:, row]
         return None
@@ -185,7 +224,7 @@ class StatePool:
     def load(self, row: int, conv: torch.Tensor, state: torch.Tensor, length: int) -> None:
         """Start row ``row`` from the states ``conv`` and ``state`` (``[layers, ...]``, after ``length`` tokens)."""
         self.conv[:, row] = conv
-        self.state[:, row] = state
+        self.state[:, self.home[row]] = state
         self.lengths[row] = length
         self.boundary_lengths[row] = 0  # nothing of the row's previous request is known any more
 
@@ -232,12 +271,25 @@ class StatePool:
             at = length - (self._ends[i] - self._keep[i]) - 1
             if not 0 <= at < self._keep[i]:
                 raise ValueError(f"row {i} kept {length} positions; states were staged for {self._ends[i] - self._keep[i] + 1}..{self._ends[i]}")
+        moved = {}  # batch row -> the spare slot its new state was written to, now its home
+        for i, length in enumerate(kept):
+            if length is None or (length == self._ends[i] - self._batch_extend[i] and self.lengths[self._batch_rows[i]] == length):
+                continue
+            row, at = self._batch_rows[i], length - (self._ends[i] - self._keep[i]) - 1
+            in_slot = bool(self._targets) and i < len(self._targets) and at == self._keep[i] - 1
             for layer, staged in enumerate(self._staged):
                 conv, state = staged[i]
                 self.conv[layer, row] = conv[at]
-                self.state[layer, row] = state[at]
+                if not in_slot:
+                    self.state[layer, self.home[row]] = state[at]
+            if in_slot:
+                moved[i] = self.home[row]
+                self.home[row] = self._targets[i]
             self.lengths[row] = length
             self._keep_boundary(i, row, length)
+        if self._targets:  # the slots not taken back, and the old homes of those taken, are spare again
+            self._spare.extend(moved.get(i, t) for i, t in enumerate(self._targets))
+        self._targets = self._target_index = None
         for staged in self._staged:
             staged.clear()  # (marks stay readable until the next pass begins)
         if self.journal is not None:

@@ -332,7 +332,7 @@ def metadata_gguf(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
     return str(path)
 
 
-HYBRID_GGUF_ARCHS = {"Qwen3_5ForCausalLM": "qwen35", "Qwen3NextForCausalLM": "qwen3next"}  # HF class -> llama.cpp architecture
+HYBRID_GGUF_ARCHS = {"Qwen3_5ForCausalLM": "qwen35", "Qwen3NextForCausalLM": "qwen3next", "Qwen3_5MoeForCausalLM": "qwen35moe"}  # HF class -> llama.cpp architecture
 
 
 def _tiled(w: np.ndarray, heads: int, per: int, width: int, axis: int = 0) -> np.ndarray:
@@ -352,7 +352,7 @@ def _hybrid_layout(name: str, arr: np.ndarray, arch: str, cfg: dict, ssm_in: boo
     heads, values = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     per, dk, dv = values // heads, cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
     keys = 2 * heads * dk
-    if arch == "qwen35" and per > 1 and ".linear_attn." in name:
+    if arch in ("qwen35", "qwen35moe") and per > 1 and ".linear_attn." in name:
         if name.endswith("in_proj_qkv.weight"):
             arr = np.concatenate([arr[:keys], _tiled(arr[keys:], heads, per, dv)])
         elif name.endswith("in_proj_z.weight"):
@@ -450,17 +450,18 @@ def write_hybrid_gguf(hf_folder: str, out: Path, outtype: str = "F32", ssm_in: b
     w.add_block_count(cfg["num_hidden_layers"] + mtp)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if "intermediate_size" in cfg:  # (Qwen3.5-MoE's config has none, and the converter writes none)
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    if arch == "qwen3next":
+    if arch in ("qwen3next", "qwen35moe"):
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    if arch == "qwen3next":  # Qwen2MoeModel.set_gguf_parameters
+    if arch in ("qwen3next", "qwen35moe"):  # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
@@ -474,7 +475,7 @@ def write_hybrid_gguf(hf_folder: str, out: Path, outtype: str = "F32", ssm_in: b
     w.add_array(f"{arch}.attention.recurrent_layers", recurrent)  # gguf 0.19 has no add_recurrent_layers
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
     w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
-    if arch == "qwen35":  # _Qwen35MRopeMixin: the default sections where the config has none
+    if arch in ("qwen35", "qwen35moe"):  # _Qwen35MRopeMixin: the default sections where the config has none
         w.add_rope_dimension_sections(cfg["rope_parameters"].get("mrope_section", [11, 11, 10, 0]))
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id), ("pad_token_id", w.add_pad_token_id)):

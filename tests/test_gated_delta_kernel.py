@@ -100,6 +100,26 @@ def test_decode_step_in_place(ext):
     torch.testing.assert_close(state, want_state, **TOL)
 
 
+def test_decode_step_writes_each_new_state_at_its_out_row_of_the_pool_itself(ext):
+    """The pool's spare slots as the output: each request's new state lands at its out row, the
+    rows read stay as they were, and out rows that are read or repeated are refused."""
+    q, k, v, g, beta, _ = _inputs(3, 2, 16, 24, seed=9)
+    pool = torch.randn(7, 2, 16, 24, generator=torch.Generator().manual_seed(10))
+    before = pool.clone()
+    rows, out_rows = torch.tensor([2, -1, 0]), torch.tensor([6, 4, 5])
+    out, new = ext.gated_delta_decode(q, k, v, g, beta, pool, rows, pool, out_rows)
+    start = torch.stack([before[2], torch.zeros(2, 16, 24), before[0]])
+    want_out, want_state = _reference(q, k, v, g, beta, start)
+    assert new.data_ptr() == pool.data_ptr()
+    torch.testing.assert_close(out, want_out, **TOL)
+    torch.testing.assert_close(pool[[6, 4, 5]], want_state, **TOL)
+    assert torch.equal(pool[:4], before[:4]), "rows that are no request's out row were written"
+    with pytest.raises(RuntimeError, match="both read and written"):
+        ext.gated_delta_decode(q, k, v, g, beta, pool, rows, pool, torch.tensor([6, 2, 5]))
+    with pytest.raises(RuntimeError, match="two requests write"):
+        ext.gated_delta_decode(q, k, v, g, beta, pool, rows, pool, torch.tensor([6, 6, 5]))
+
+
 def test_decode_step_refuses_bad_operands(ext):
     q, k, v, g, beta, state = _inputs(2, 4, 16, 8)
     with pytest.raises(RuntimeError, match="float32"):
@@ -117,7 +137,7 @@ class _Batch:
 
     def __init__(self, pool: StatePool, rows: list[int], prefix: list[int], extend: list[int], num_decode: int) -> None:
         self.state_pool, self.num_decode = pool, num_decode
-        self.req_rows = torch.tensor(rows)
+        self.pool_rows = torch.tensor(rows)
         self.prefix_lens, self.extend_lens = prefix, extend
         self.seq_lens = [p + e for p, e in zip(prefix, extend)]
         self.batch_size = len(rows)
@@ -132,7 +152,8 @@ class _Batch:
 def test_the_layer_decodes_with_the_kernel_as_with_the_pytorch_path(ext, monkeypatch):
     """A mixed batch (three decode rows, one of them fresh, and a prompt) through a Qwen3.5-like
     layer (2 key heads, 4 value heads): the same outputs and staged states with the kernel as
-    without it, and the committed states untouched until commit."""
+    without it, and the committed states untouched until commit. The kernel writes the decode
+    rows' new states into spare slots, which commit makes theirs without a copy."""
     torch.manual_seed(0)
     spec = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, conv_kernel=4)
     layer = GatedDeltaNet(48, spec, state_layer=1, eps=1e-6)
@@ -150,7 +171,8 @@ def test_the_layer_decodes_with_the_kernel_as_with_the_pytorch_path(ext, monkeyp
         pool.begin(batch)
         with torch.no_grad():
             y = layer(x, batch)
-        assert torch.equal(pool.state, committed), "a pass must not write the committed states"
+        homes = pool.home[:]
+        assert torch.equal(pool.state[:, homes], committed[:, homes]), "a pass must not write the committed states"
         return y, [pool._staged[1][i][1] for i in range(batch.batch_size)]
 
     calls = []
@@ -158,9 +180,20 @@ def test_the_layer_decodes_with_the_kernel_as_with_the_pytorch_path(ext, monkeyp
     monkeypatch.setattr(gated_delta, "cpu_kernels", lambda: type("Ext", (), {"gated_delta_decode": staticmethod(lambda *a: calls.append(1) or real(*a))}))
     y, staged = run()
     assert calls, "the kernel was not used"
+    assert all(got.data_ptr() == pool.state[1, slot].data_ptr() for got, slot in zip(staged, pool._targets)), "not written into spare slots"
     monkeypatch.setattr(gated_delta, "cpu_kernels", lambda: None)
     want_y, want_staged = run()
     torch.testing.assert_close(y, want_y, **TOL)
     for got, want in zip(staged, want_staged):
         assert got.shape == want.shape == (1, *spec.state_shape)
         torch.testing.assert_close(got, want, **TOL)
+    monkeypatch.setattr(gated_delta, "cpu_kernels", lambda: type("Ext", (), {"gated_delta_decode": staticmethod(real)}))
+    run()
+    for layer_id in (0, 1):  # the pool's other layer: the pass staged nothing there, so the commit must not need it
+        for i in range(batch.batch_size):
+            pool._staged[layer_id].setdefault(i, (torch.zeros(1, *spec.conv_state_shape), torch.zeros(1, *spec.state_shape)))
+    targets = list(pool._targets)
+    pool.commit([10, 1, 5, None])  # the prompt row's request ended: nothing kept
+    assert [pool.home[r] for r in (3, 0, 5)] == targets and pool.home[1] == 1, "kept decode states move into their slots"
+    torch.testing.assert_close(pool.committed(3)[1][1], want_staged[0][0], **TOL)
+    assert sorted(pool._spare) == [0, 3, 5, 9], "the old homes are spare now, every other slot still owned"

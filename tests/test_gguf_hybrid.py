@@ -37,11 +37,12 @@ CASES = {  # case: (tiny model, make_tiny_model overrides)
     "qwen35": ("qwen3_5", {}),
     "qwen35_wide": ("qwen3_5", {"linear_value_head_dim": 32}),
     "qwen3next": ("qwen3_next", {"mlp_only_layers": []}),
+    "qwen35moe": ("qwen3_5_moe", {}),  # Qwen3.5's tiled value heads with experts on every layer
 }
 FILES = [  # (case, --outtype, variant: write_hybrid_gguf's option)
     ("qwen35", "F32", ""), ("qwen35", "Q8_0", ""), ("qwen35_wide", "Q8_0", ""), ("qwen35", "Q8_0", "fuse_qkv"),
     ("qwen3next", "F32", ""), ("qwen3next", "Q8_0", ""), ("qwen3next", "Q8_0", "ssm_in"), ("qwen3next", "F32", "fuse_qkv"),
-    ("qwen35", "F32", "mtp"), ("qwen3next", "Q8_0", "mtp"),
+    ("qwen35", "F32", "mtp"), ("qwen3next", "Q8_0", "mtp"), ("qwen35moe", "F32", ""), ("qwen35moe", "Q8_0", ""),
 ]  # fmt: skip
 SCENARIOS = {"mixed_batch_chunked_16": ({"chunked_prefill_size": 16}, "staggered"), "chunked_prefill_5": ({"chunked_prefill_size": 5}, "all_at_once")}
 SHIFTED = re.compile(r"(?<!linear_attn\.)norm\.weight$|\.A_log$")  # values the converter changed: float32 rounding apart
@@ -126,7 +127,7 @@ def test_the_config_is_the_hf_config(gguf_of, hf_folders, case):
 
     ours = gguf_hf_config(gguf_of(case))
     original = json.loads((Path(hf_folders[case]) / "config.json").read_text())
-    cls = transformers.Qwen3NextConfig if case == "qwen3next" else transformers.Qwen3_5TextConfig
+    cls = {"qwen3next": transformers.Qwen3NextConfig, "qwen35moe": transformers.Qwen3_5MoeTextConfig}.get(case, transformers.Qwen3_5TextConfig)
     assert _comparable(cls(**ours)) == _comparable(cls(**original))
     for key, value in ours.items():  # what we name, we name as HF does, with HF's value
         if key in original:
@@ -158,7 +159,7 @@ def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks / torch.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
 
 
-@pytest.mark.parametrize("case,variant", [("qwen35", ""), ("qwen35_wide", ""), ("qwen3next", ""), ("qwen3next", "ssm_in")])
+@pytest.mark.parametrize("case,variant", [("qwen35", ""), ("qwen35_wide", ""), ("qwen3next", ""), ("qwen3next", "ssm_in"), ("qwen35moe", "")])
 def test_quantized_weights_run_as_stored(gguf_of, case, variant, cpp_ext):
     """Each Q8_0 projection (the DeltaNet's four-part ``in_proj`` and ``out_proj``, experts, the
     shared expert) runs over its blocks and computes the dequantized model's product; ``ssm_out``
@@ -182,13 +183,13 @@ def test_quantized_weights_run_as_stored(gguf_of, case, variant, cpp_ext):
         else:
             assert torch.equal(layer.weight, ref.weight), name
     assert kinds["layers.0.linear_attn.in_proj"] and kinds["layers.3.self_attn.qkv_proj"]
-    assert kinds["layers.0.linear_attn.out_proj"] == (case != "qwen35")  # a value head of 8 columns is a quarter block
-    if case == "qwen3next":
+    assert kinds["layers.0.linear_attn.out_proj"] == (case not in ("qwen35", "qwen35moe"))  # a value head of 8 columns is a quarter block
+    if case in ("qwen3next", "qwen35moe"):
         assert kinds["layers.0.mlp.experts.1.gate_up_proj"] and kinds["layers.2.mlp.shared_experts.gate_up_proj"]
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("case", ["qwen35", "qwen3next"])
+@pytest.mark.parametrize("case", ["qwen35", "qwen3next", "qwen35moe"])
 def test_the_engine_on_the_f32_file_decodes_transformers_greedy_tokens(gguf_of, hf_folders, case, scenario):
     options, arrival = SCENARIOS[scenario]
     prompts = _prompts()

@@ -280,7 +280,7 @@ def test_hybrid_kv_pool_holds_only_the_attention_layers(hybrid_dirs):
     assert (cfg.num_layers, cfg.kv_layers, cfg.linear_layers) == (4, 1, 3)
     assert rt.runner.kv_pool.num_layers == 1
     pool = rt.runner.state_pool
-    assert pool.state.shape == (3, rt.kv.table.max_requests, 4, 16, 8)  # layers, rows, value heads, key dim, value dim
+    assert pool.state.shape == (3, rt.kv.table.max_requests + 4, 4, 16, 8)  # layers, rows and 4 spare slots, value heads, key dim, value dim
     assert pool.conv.shape == (3, rt.kv.table.max_requests, 2 * 2 * 16 + 4 * 8, 3)
 
 
@@ -341,8 +341,8 @@ def test_state_pool_commits_the_state_at_the_kept_length_and_nothing_from_an_unc
         pool.stage(layer, 0, torch.arange(4.0).reshape(4, 1, 1).expand(4, 3, 2) + layer, torch.arange(4.0).reshape(4, 1, 1, 1).expand(4, 2, 2, 2))
         pool.stage(layer, 1, torch.full((1, 3, 2), 9.0), torch.full((1, 2, 2, 2), 9.0))
     pool.commit([12, 6])  # row 2 kept 12 of 14 positions: the state after its second new token
-    assert torch.all(pool.state[:, 2] == 1) and torch.all(pool.conv[0, 2] == 1) and torch.all(pool.conv[1, 2] == 2)
-    assert torch.all(pool.state[:, 0] == 9)
+    assert torch.all(pool.committed(2)[1] == 1) and torch.all(pool.conv[0, 2] == 1) and torch.all(pool.conv[1, 2] == 2)
+    assert torch.all(pool.committed(0)[1] == 9)
     with pytest.raises(ValueError, match="kept"):
         pool.begin(batch)
         for layer in range(2):

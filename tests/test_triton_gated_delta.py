@@ -39,6 +39,14 @@ def test_triton_step_equals_the_recurrence_and_leaves_the_pool_alone(batch, head
     torch.testing.assert_close(out, want[:, 0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new, states[:, 0], atol=1e-5, rtol=1e-5)
     assert torch.equal(pool, before)
+    spare = torch.tensor([1, 3, 5][:batch]) if batch <= 3 else None  # the pool's own unread rows as the output
+    if spare is not None:
+        out, _ = gated_delta_step(q[:, ::groups].contiguous(), k[:, ::groups].contiguous(), v, g, beta, pool, rows, pool, spare)
+        torch.testing.assert_close(pool[spare], states[:, 0], atol=1e-5, rtol=1e-5)
+        untouched = [r for r in range(7) if r not in spare.tolist()]
+        assert torch.equal(pool[untouched], before[untouched])
+        with pytest.raises(ValueError, match="no request reads"):
+            gated_delta_step(q[:, ::groups].contiguous(), k[:, ::groups].contiguous(), v, g, beta, pool, rows, pool, torch.tensor([int(rows[0])] + spare.tolist()[1:]))
 
 
 def test_triton_step_refuses_shapes_it_cannot_run():

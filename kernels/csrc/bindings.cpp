@@ -32,8 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("part_lo"));
   m.def("gated_delta_decode", &gated_delta_decode,
         "One decode step of the gated delta rule: q, k [B, Hk, dk], v [B, H, dv], g and beta [B, H], states [N, H, dk, dv] "
-        "(read at rows [B], negative: zeros); returns (o [B, H, dv], the new states [B, H, dk, dv] in out_state)",
+        "(read at rows [B], negative: zeros); returns (o [B, H, dv], out_state: the new states [B, H, dk, dv], or "
+        "[N2, H, dk, dv] written at out_rows [B])",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("rows") = py::none(),
-        py::arg("out_state") = py::none());
+        py::arg("out_state") = py::none(), py::arg("out_rows") = py::none());
   bind_decode_stack(m);
 }

@@ -127,10 +127,13 @@ void check_float(const torch::Tensor& t, const char* name, int64_t dims) {
 // reads state rows[b], or zeros where rows[b] < 0). Every tensor is float32 on the CPU; the last
 // dimension of q, k, v and the states must be contiguous, the others may be strided. The new
 // states go to out_state [B, H, dk, dv] (allocated when not given; it may be state itself, an
-// update in place, when rows is not given: the same view of the same memory). Returns (o [B, H, dv], out_state).
+// update in place, when rows is not given: the same view of the same memory); with out_rows [B]
+// int64, request b's new state goes to row out_rows[b] of out_state [N2, H, dk, dv] instead (which
+// may be state itself where no out row is a row read). Returns (o [B, H, dv], out_state).
 std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                               torch::Tensor beta, torch::Tensor state, c10::optional<torch::Tensor> rows,
-                                              c10::optional<torch::Tensor> out_state) {
+                                              c10::optional<torch::Tensor> out_state,
+                                              c10::optional<torch::Tensor> out_rows) {
   check_float(q, "q", 3);
   check_float(k, "k", 3);
   check_float(v, "v", 3);
@@ -157,7 +160,30 @@ std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, 
     TORCH_CHECK(state.size(0) == B, "state must be [B, H, dk, dv] without rows");
   }
   torch::Tensor out;
-  if (out_state.has_value()) {
+  std::vector<int64_t> out_index;
+  if (out_rows.has_value()) {
+    TORCH_CHECK(out_state.has_value(), "out_rows needs out_state");
+    out = *out_state;
+    check_float(out, "out_state", 4);
+    TORCH_CHECK(out.size(1) == H && out.size(2) == dk && out.size(3) == dv && out.stride(3) == 1,
+                "out_state must be [N, H, dk, dv] with a contiguous last dimension");
+    auto r = out_rows->to(torch::kLong).cpu().contiguous();
+    TORCH_CHECK(r.dim() == 1 && r.size(0) == B, "out_rows must be [B]");
+    out_index.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + B);
+    std::vector<int64_t> sorted_out(out_index);
+    std::sort(sorted_out.begin(), sorted_out.end());
+    for (size_t i = 0; i < sorted_out.size(); ++i) {
+      TORCH_CHECK(sorted_out[i] >= 0 && sorted_out[i] < out.size(0), "an out row is outside out_state's ", out.size(0), " rows");
+      TORCH_CHECK(i == 0 || sorted_out[i] != sorted_out[i - 1], "two requests write out row ", sorted_out[i]);
+    }
+    if (out.data_ptr() == state.data_ptr()) {  // the same rows: no request may write a row another reads
+      TORCH_CHECK(rows.has_value() && out.strides() == state.strides(), "out_rows into state itself needs rows and the same layout");
+      for (int64_t x : index)
+        TORCH_CHECK(!std::binary_search(sorted_out.begin(), sorted_out.end(), x), "row ", x, " is both read and written");
+    } else {
+      at::assert_no_overlap(out, state);
+    }
+  } else if (out_state.has_value()) {
     out = *out_state;
     check_float(out, "out_state", 4);
     TORCH_CHECK(out.size(0) == B && out.size(1) == H && out.size(2) == dk && out.size(3) == dv && out.stride(3) == 1,
@@ -181,12 +207,13 @@ std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, 
   const Strides ss{state.stride(0), state.stride(1)}, os{out.stride(0), out.stride(1)};
   const int64_t s_row = state.stride(2), o_row = out.stride(2), group = H / Hk;
   const int64_t* idx = rows.has_value() ? index.data() : nullptr;
+  const int64_t* out_idx = out_rows.has_value() ? out_index.data() : nullptr;
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H, hk = h / group;
       const int64_t r = idx == nullptr ? b : idx[b];
       const float* src = r < 0 ? nullptr : sp + r * ss.b + h * ss.h;
-      float* dst = outp + b * os.b + h * os.h;
+      float* dst = outp + (out_idx == nullptr ? b : out_idx[b]) * os.b + h * os.h;
       const float* qh = qp + b * qs.b + hk * qs.h;
       const float* kh = kp + b * ks.b + hk * ks.h;
       const float* vh = vp + b * vs.b + h * vs.h;

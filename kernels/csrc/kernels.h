@@ -27,5 +27,6 @@ void lora_add(torch::Tensor x, torch::Tensor out, std::vector<int64_t> starts, s
               std::vector<int64_t> part_lo);
 std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g,
                                               torch::Tensor beta, torch::Tensor state, c10::optional<torch::Tensor> rows,
-                                              c10::optional<torch::Tensor> out_state);
+                                              c10::optional<torch::Tensor> out_state,
+                                              c10::optional<torch::Tensor> out_rows);
 void bind_decode_stack(pybind11::module& m);

@@ -85,7 +85,7 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
     experts = int(get("expert_count") or 0)
     if experts and arch not in EXPERT_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} with experts; radixlm runs experts of {', '.join(sorted(EXPERT_ARCHITECTURES))}")
-    if not experts and arch in ("qwen3moe", "qwen3next"):
+    if not experts and arch in ("qwen3moe", "qwen3next", "qwen35moe"):
         raise ValueError(f"GGUF file of architecture {arch!r} without {arch}.expert_count")
     hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
     partial_rope = arch == "phi3" or arch in HYBRID_ARCHITECTURES  # rope.dimension_count: part of a head
@@ -93,12 +93,15 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
     embed = tensors.get("token_embd.weight")
     vocab = int(embed.shape[1]) if embed is not None else get("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
     hf_class, model_type = WITH_EXPERTS[arch] if experts and arch in WITH_EXPERTS else ARCHITECTURES[arch]
+    dense_width = get("feed_forward_length")  # Qwen3.5-MoE's files have none: every layer is experts
+    if dense_width is None and arch != "qwen35moe":
+        raise ValueError(f"GGUF file of architecture {arch!r} without {arch}.feed_forward_length")
     cfg: dict[str, Any] = {
         "architectures": [hf_class],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": None if dense_width is None else int(dense_width),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -125,6 +128,8 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
         cfg.update(_experts(arch, get, cfg, experts))
     if "hidden_activation" not in cfg:  # Gemma names its GELU so; the rest run SiLU
         cfg["hidden_act"] = "silu"
+    if cfg["intermediate_size"] is None:
+        del cfg["intermediate_size"]
     if arch in ("phi3", "smollm3"):  # their HF configs derive head_dim (hidden / heads)
         del cfg["head_dim"]
     if arch == "phi3" or model_type == "mixtral":  # and Phi-3's and Mixtral's have no biases to name
@@ -157,8 +162,10 @@ def _experts(arch: str, get, cfg: dict[str, Any], experts: int) -> dict[str, Any
         return {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": None}
     width = get("expert_feed_forward_length")
     width = cfg["intermediate_size"] // used if width is None else _one_for_all_layers(width, f"{arch}.expert_feed_forward_length")
-    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width, "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+    out = {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width}
+    if arch != "qwen35moe":  # (Qwen3.5-MoE's config has no such keys: experts on every layer, always renormalised)
+        out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return out
 
 
 def _tokens(reader) -> dict[str, Any]:

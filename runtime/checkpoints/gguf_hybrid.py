@@ -1,7 +1,9 @@
-"""GGUF files of the hybrid linear-attention families: Qwen3-Next (``qwen3next``) and Qwen3.5
-(``qwen35``), as llama.cpp's converter writes them (``Qwen3NextModel`` and its Qwen3.5 subclass,
-``_LinearAttentionVReorderBase``): the Hugging Face config their metadata describes, and each
-tensor back in the form the Hugging Face checkpoint holds it.
+"""GGUF files of the hybrid linear-attention families: Qwen3-Next (``qwen3next``), Qwen3.5
+(``qwen35``) and Qwen3.5-MoE (``qwen35moe``), as llama.cpp's converter writes them
+(``Qwen3NextModel`` and its Qwen3.5 subclasses, ``_LinearAttentionVReorderBase``): the Hugging
+Face config their metadata describes, and each tensor back in the form the Hugging Face
+checkpoint holds it. Qwen3.5-MoE is Qwen3.5's layers with Qwen3-Next's experts (merged expert
+tensors, split by ``gguf.py``) and gated shared expert.
 
 What the converter changed, undone here:
 
@@ -36,7 +38,8 @@ import numpy as np
 
 from radixlm.runtime.checkpoints.gguf_names import gguf_to_hf_name
 
-HYBRID_ARCHITECTURES = frozenset({"qwen3next", "qwen35"})
+HYBRID_ARCHITECTURES = frozenset({"qwen3next", "qwen35", "qwen35moe"})
+_TILED = frozenset({"qwen35", "qwen35moe"})  # value heads stored tiled (``_LinearAttentionVReorderBase``)
 FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 
 Rows = np.ndarray | None  # the file's rows an HF tensor takes, in its order (None: all, as they are)
@@ -44,7 +47,7 @@ Rows = np.ndarray | None  # the file's rows an HF tensor takes, in its order (No
 
 def hybrid_config(arch: str, get: Callable[..., Any], cfg: dict[str, Any]) -> dict[str, Any]:
     """The config fields of a hybrid file's layers: which are linear attention, the Gated DeltaNet's
-    shapes, the share of each head RoPE turns; Qwen3-Next's shared expert width."""
+    shapes, the share of each head RoPE turns; the shared expert's width."""
     layers = cfg["num_hidden_layers"] - int(get("nextn_predict_layers") or 0)
     recurrent = get("attention.recurrent_layers")
     if recurrent is None:  # llama.cpp's rule: the last of every ``interval`` layers attends
@@ -62,8 +65,8 @@ def hybrid_config(arch: str, get: Callable[..., Any], cfg: dict[str, Any]) -> di
         "linear_value_head_dim": int(get("ssm.inner_size")) // values,
         "rope_parameters": {**cfg["rope_parameters"], "partial_rotary_factor": int(rotary) / cfg["head_dim"] if rotary else 1.0},
     }
-    if arch == "qwen3next":
-        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length") or cfg["intermediate_size"])
+    if arch in ("qwen3next", "qwen35moe"):
+        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length") or cfg.get("intermediate_size") or get("expert_feed_forward_length"))
     return out
 
 
@@ -82,7 +85,7 @@ def hybrid_weights(name: str, qtype: Any, data: np.ndarray, arch: str, cfg: dict
     hf = gguf_to_hf_name(name, arch)
     if hf is None:
         return []
-    untile = arch == "qwen35" and kind == "ssm_out"
+    untile = arch in _TILED and kind == "ssm_out"
     if _changes_values(kind, name) or (untile and not _columns_move_as_blocks(qtype, cfg)):
         from gguf import GGMLQuantizationType
 
@@ -168,7 +171,7 @@ def _row_parts(kind: str, hf: str, prefix: str, arch: str, cfg: dict[str, Any]) 
         rows = np.arange(heads * (2 * dk + 2 * per * dv)).reshape(heads, -1)
         q, k, v, z = np.split(rows, np.cumsum([dk, dk, per * dv]), axis=1)
         return [(f"{prefix}in_proj_qkv.weight", np.concatenate([q.reshape(-1), k.reshape(-1), v.reshape(-1)])), (f"{prefix}in_proj_z.weight", z.reshape(-1))]
-    if arch != "qwen35" or per == 1:
+    if arch not in _TILED or per == 1:
         return [(hf, None)]
     if kind in ("attn_qkv", "ssm_conv1d"):
         return [(hf, np.concatenate([np.arange(keys), keys + _grouped(heads, per, dv)]))]

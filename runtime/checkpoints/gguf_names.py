@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {  # GGUF architecture -> (HF class,
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
 WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("MixtralForCausalLM", "mixtral")}  # files with an expert_count
 ROPE_PERMUTED = frozenset({"llama", "mistral", "smollm3"})  # q/k rows in llama.cpp's interleaved order
@@ -66,7 +67,7 @@ _PHI3 = {
     "ffn_up": "mlp.gate_up_proj",  # gate rows then up rows, as HF's Phi3MLP splits them
     "ffn_down": "mlp.down_proj",
 }
-_HYBRID = {  # Qwen3-Next, Qwen3.5 (gguf_hybrid.py undoes what the converter changed in them)
+_HYBRID = {  # Qwen3-Next, Qwen3.5, Qwen3.5-MoE (gguf_hybrid.py undoes what the converter changed in them)
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     **_ATTENTION,
@@ -91,8 +92,9 @@ _HYBRID_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA,
     "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA, "qwen3next": _HYBRID, "qwen35": _HYBRID,
+    "qwen35moe": _HYBRID,
 }  # fmt: skip
-EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next"})  # where a file may hold experts
+EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe"})  # where a file may hold experts
 # merged expert tensor -> the projections its rows hold, in order (each part an equal share of the rows)
 MERGED_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),
@@ -113,7 +115,7 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
             return None
         proj = _MLP[parts[2]].removeprefix("mlp.")
         return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
-    if parts[0] == "blk" and len(parts) > 2 and arch in (None, "qwen3next", "qwen35"):
+    if parts[0] == "blk" and len(parts) > 2 and arch in (None, "qwen3next", "qwen35", "qwen35moe"):
         param = _HYBRID_PARAMETERS.get(".".join(parts[2:]))
         if param is not None:
             return f"model.layers.{parts[1]}.{param}"

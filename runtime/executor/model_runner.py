@@ -169,7 +169,7 @@ class ModelRunner:
         if args.max_running_requests > fits:
             logger.warning("max_running_requests lowered from %d to %d: each request's linear-attention states take %.1f MiB", args.max_running_requests, fits, per_row / 2**20)
             args.max_running_requests = fits  # the request table and the scheduler are sized from it after the runner
-        self.reserved_bytes = (args.max_running_requests + 8) * per_row
+        self.reserved_bytes = (args.max_running_requests + 8 + StatePool.SPARE) * per_row  # (a spare slot costs a little less than a row)
 
     def _state_pool(self) -> StatePool | None:
         """The linear-attention states of this rank's heads of a hybrid model (planned by

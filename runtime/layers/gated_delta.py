@@ -23,7 +23,8 @@ that verifies drafts (jump-forward, speculation) stages the state after each of 
 The decode step is one fused kernel where one runs (``decode_kernel``): C++ on CPUs
 (``gated_delta_decode``, kernels/csrc/gated_delta.cpp), Triton on GPUs
 (kernels/triton_gated_delta.py). Each reads a decode row's state where the pool holds it, once,
-and writes the new state once, into the pool's scratch room, which is what gets staged;
+and writes the new state once, into a spare slot of the pool (or its scratch room), which is
+what gets staged and, once committed, becomes the row's state without a copy;
 ``delta_rule_recurrent`` is the reference they match and the path everywhere else.
 """
 
@@ -154,8 +155,8 @@ DecodeStep = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def decode_kernel(x: torch.Tensor, states: torch.Tensor) -> DecodeStep | None:
     """The fused decode step for tensors on ``x``'s device and ``states``': the C++ kernel on CPUs,
-    the Triton kernel on GPUs (``(q, k, v, g, beta, states, rows, out_state) -> (out, new
-    states)``); None where neither runs: the PyTorch path."""
+    the Triton kernel on GPUs (``(q, k, v, g, beta, states, rows, out_state, out_rows) -> (out,
+    out_state)``); None where neither runs: the PyTorch path."""
     if x.device.type != states.device.type:
         return None
     if x.device.type == "cpu":
@@ -227,11 +228,12 @@ class GatedDeltaNet(nn.Module):
             if step is not None:
                 source, rows = pool.in_place(self.state_layer, batch, nd)
                 q, k, v = self._qkv(conv, repeat=False)  # the kernel maps value heads to key heads itself
-                scratch = pool.scratch(self.state_layer, nd)
-                out, states = step(q, k, v, g[:nd], beta[:nd], source, rows, scratch)  # states [B, Hv, dk, dv]
+                target, slots = pool.decode_targets(self.state_layer, nd)
+                out, states = step(q, k, v, g[:nd], beta[:nd], source, rows, target, slots)  # the new states in target's slots (row i's at i without them)
                 outs.append(out)
                 for i in range(nd):
-                    pool.stage(self.state_layer, i, window[i, :, 1:].unsqueeze(0), states[i : i + 1])
+                    j = i if slots is None else int(slots[i])
+                    pool.stage(self.state_layer, i, window[i, :, 1:].unsqueeze(0), states[j : j + 1])
             else:
                 out, states = self._recur(conv.unsqueeze(1), g[:nd].unsqueeze(1), beta[:nd].unsqueeze(1), state[:nd])
                 outs.append(out[:, 0])
