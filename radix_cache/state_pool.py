@@ -121,21 +121,28 @@ class StatePool:
         for staged in (*self._staged, *self._marked):
             staged.clear()
 
-    def read(self, layer: int, batch: PassRows, states_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed conv states of ``batch``'s rows in ``layer`` and recurrent states of its rows
-        ``states_from`` on (zeros for a row that starts its sequence): ``[B, *conv_shape]``,
-        ``[B - states_from, *state_shape]``, copies. (A kernel reads the first rows' recurrent
-        states where they lie instead: ``in_place``.)"""
-        rows = batch.pool_rows.to(self.conv.device)
-        homes = torch.tensor([self.home[r] for r in self._batch_rows[states_from:]], dtype=torch.int64, device=self.state.device)
+    def read(self, layer: int, batch: PassRows, states_from: int = 0, conv_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed conv states of ``batch``'s rows ``conv_from`` on in ``layer`` and recurrent
+        states of its rows ``states_from`` on (zeros for a row that starts its sequence):
+        ``[B - conv_from, *conv_shape]``, ``[B - states_from, *state_shape]``, copies. (Kernels
+        read the first rows' states where they lie instead: ``in_place``, ``in_place_conv``.)"""
+        device = self.state.device
+        rows = torch.tensor(self._batch_rows[conv_from:], dtype=torch.int64, device=device)
+        homes = torch.tensor([self.home[r] for r in self._batch_rows[states_from:]], dtype=torch.int64, device=device)
         conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, homes)
         fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
-        if fresh:
-            conv[fresh] = 0
-            fresh_states = [i - states_from for i in fresh if i >= states_from]
-            if fresh_states:
-                state[fresh_states] = 0
+        for part, start in ((conv, conv_from), (state, states_from)):
+            zeros = [i - start for i in fresh if i >= start]
+            if zeros:
+                part[zeros] = 0
         return conv, state
+
+    def in_place_conv(self, layer: int, batch: PassRows, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed conv states of ``layer``, ``[rows, *conv_shape]`` (to read only), and the
+        row of each of ``batch``'s first ``n`` rows (int64 ``[n]``; -1 for a row that starts its
+        sequence: zeros)."""
+        rows = [-1 if batch.prefix_lens[i] == 0 else r for i, r in enumerate(self._batch_rows[:n])]
+        return self.conv[layer], torch.tensor(rows, dtype=torch.int64)
 
     def in_place(self, layer: int, batch: PassRows, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The recurrent state slots of ``layer``, ``[slots, *state_shape]`` (to read only: the
@@ -258,37 +265,37 @@ class StatePool:
 
     def commit(self, kept: list[int | None]) -> None:
         """Make the staged states current: batch row ``i`` kept its first ``kept[i]`` positions
-        (None: the row's request ended, nothing to keep). Raises ValueError when no state was
-        staged at that length."""
+        (None: the row's request ended, nothing to keep). Raises ValueError, changing nothing,
+        when no state was staged at a kept length."""
         if len(kept) != len(self._batch_rows):
             raise ValueError(f"commit of {len(kept)} rows for a pass of {len(self._batch_rows)}")
+        picks: list[int | None] = []  # per batch row: the staged state it keeps (None: its committed one stays)
         for i, length in enumerate(kept):
-            if length is None:
-                continue
             row = self._batch_rows[i]
-            if length == self._ends[i] - self._batch_extend[i] and self.lengths[row] == length:
-                continue  # none of the pass's tokens kept (a prompt's only computed token, max_new_tokens 0): the committed state stays
+            if length is None or (length == self._ends[i] - self._batch_extend[i] and self.lengths[row] == length):
+                picks.append(None)  # ended, or none of the pass's tokens kept (a prompt's only token under max_new_tokens 0)
+                continue
             at = length - (self._ends[i] - self._keep[i]) - 1
             if not 0 <= at < self._keep[i]:
                 raise ValueError(f"row {i} kept {length} positions; states were staged for {self._ends[i] - self._keep[i] + 1}..{self._ends[i]}")
-        moved = {}  # batch row -> the spare slot its new state was written to, now its home
-        for i, length in enumerate(kept):
-            if length is None or (length == self._ends[i] - self._batch_extend[i] and self.lengths[self._batch_rows[i]] == length):
+            picks.append(at)
+        targets, freed = self._targets or [], []
+        for i, at in enumerate(picks):
+            if at is None:
                 continue
-            row, at = self._batch_rows[i], length - (self._ends[i] - self._keep[i]) - 1
-            in_slot = bool(self._targets) and i < len(self._targets) and at == self._keep[i] - 1
+            row = self._batch_rows[i]
+            in_slot = i < len(targets) and at == self._keep[i] - 1  # written by the kernel into spare slot targets[i]
             for layer, staged in enumerate(self._staged):
                 conv, state = staged[i]
                 self.conv[layer, row] = conv[at]
                 if not in_slot:
                     self.state[layer, self.home[row]] = state[at]
             if in_slot:
-                moved[i] = self.home[row]
-                self.home[row] = self._targets[i]
-            self.lengths[row] = length
-            self._keep_boundary(i, row, length)
-        if self._targets:  # the slots not taken back, and the old homes of those taken, are spare again
-            self._spare.extend(moved.get(i, t) for i, t in enumerate(self._targets))
+                freed.append(self.home[row])
+                self.home[row], targets[i] = targets[i], -1
+            self.lengths[row] = kept[i]
+            self._keep_boundary(i, row, kept[i])
+        self._spare.extend([t for t in targets if t >= 0] + freed)  # the slots not taken, and the homes left
         self._targets = self._target_index = None
         for staged in self._staged:
             staged.clear()  # (marks stay readable until the next pass begins)

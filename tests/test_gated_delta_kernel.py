@@ -197,3 +197,46 @@ def test_the_layer_decodes_with_the_kernel_as_with_the_pytorch_path(ext, monkeyp
     assert [pool.home[r] for r in (3, 0, 5)] == targets and pool.home[1] == 1, "kept decode states move into their slots"
     torch.testing.assert_close(pool.committed(3)[1][1], want_staged[0][0], **TOL)
     assert sorted(pool._spare) == [0, 3, 5, 9], "the old homes are spare now, every other slot still owned"
+
+
+@pytest.mark.parametrize("prompt_row", [True, False], ids=["mixed_batch", "decode_only"])
+def test_the_fused_decode_path_equals_the_pytorch_path_from_in_proj_to_the_norm(ext, monkeypatch, prompt_row):
+    """The decode rows from in_proj's output to the new states in C++ (``gated_delta_prepare``:
+    the conv over states read in place, SiLU, q/k norms, g, beta; then the step), and with no
+    prompt row in the pass the output norm too (``gated_rms_norm``): the layer's output and the
+    staged conv and recurrent states are the PyTorch path's."""
+    torch.manual_seed(1)
+    spec = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, conv_kernel=4)
+    layer = GatedDeltaNet(48, spec, state_layer=0, eps=1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    pool = StatePool(rows=6, layers=1, conv_shape=spec.conv_state_shape, state_shape=spec.state_shape, conv_dtype=torch.float32)
+    pool.conv.normal_()
+    pool.state.normal_()
+    if prompt_row:
+        batch = _Batch(pool, rows=[3, 0, 5, 1], prefix=[9, 0, 4, 6], extend=[1, 1, 1, 5], num_decode=3)
+    else:
+        batch = _Batch(pool, rows=[3, 0, 5], prefix=[9, 0, 4], extend=[1, 1, 1], num_decode=3)
+    x = torch.randn(sum(batch.extend_lens), 48)
+    calls: list[str] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(ext, name)
+            return lambda *a, **kw: calls.append(name) or fn(*a, **kw)
+
+    def run(kernels) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        monkeypatch.setattr(gated_delta, "cpu_kernels", lambda: kernels)
+        pool.begin(batch)
+        with torch.no_grad():
+            y = layer(x, batch)
+        return y, [tuple(t.clone() for t in pool._staged[0][i]) for i in range(batch.batch_size)]
+
+    y, staged = run(Counting())
+    assert "gated_delta_prepare" in calls and ("gated_rms_norm" in calls) == (not prompt_row)
+    want_y, want_staged = run(None)
+    torch.testing.assert_close(y, want_y, **TOL)
+    for (conv, state), (want_conv, want_state) in zip(staged, want_staged):
+        torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)
+        torch.testing.assert_close(state, want_state, **TOL)

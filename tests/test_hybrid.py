@@ -236,10 +236,11 @@ def test_a_worker_whose_states_diverge_stops_the_engine_with_a_clear_error(hybri
         assert not engine.is_alive()
 
 
-def test_a_pd_pair_hands_the_states_over_with_the_kv(hybrid_dirs, references):
+def test_a_pd_pair_hands_the_states_over_with_the_kv(hybrid_dirs, references, monkeypatch):
     """Prefill/decode disaggregation: the prefill side sends the states after all but the last
     prompt token with the KV, and the decode side's tokens are transformers'; a prompt the decode
-    side holds up to its last token resumes from its own snapshot and nothing travels."""
+    side holds up to its last token resumes from its own snapshot and nothing travels. A prefill
+    side that lost the states fails that request on both sides, and both go on."""
     from test_disaggregation import assert_clean, paired, run_pair
 
     rng = random.Random(11)
@@ -255,6 +256,12 @@ def test_a_pd_pair_hands_the_states_over_with_the_kv(hybrid_dirs, references):
             sent.append((out["meta_info"]["cached_tokens"], out["meta_info"]["pd"]["received_tokens"], out["meta_info"]["pd"]["received_bytes"]))
         token_bytes, state_bytes = decode.runner.kv_pool.token_bytes(), decode.runner.state_pool.row_nbytes
         assert sent == [(0, 44, 44 * token_bytes + state_bytes), (44, 0, 0), (0, 69, 69 * token_bytes + state_bytes)]
+        assert_clean(prefill, decode)
+        monkeypatch.setattr(StatePool, "pack", lambda *a: None)
+        lost, out = run_pair(prefill, decode, prompts[2][:30], room=50, params=params)
+        for side in (lost, out):
+            reason = side["meta_info"]["finish_reason"]
+            assert reason["type"] == "abort" and "did not keep the linear-attention states" in reason["message"], reason
         assert_clean(prefill, decode)
 
 

@@ -36,5 +36,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[N2, H, dk, dv] written at out_rows [B])",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("state"), py::arg("rows") = py::none(),
         py::arg("out_state") = py::none(), py::arg("out_rows") = py::none());
+  m.def("gated_delta_prepare", &gated_delta_prepare,
+        "The gated delta rule's decode inputs from in_proj's output (float32): the causal conv over the conv states read at "
+        "rows (negative: zeros) and this token, SiLU, q/k L2-normalised (q scaled), v, g = -exp(A_log) softplus(a + dt_bias), "
+        "beta = sigmoid(b); returns (q, k, v, g, beta, the new conv states [B, C, K - 1])",
+        py::arg("mixed"), py::arg("conv_state"), py::arg("rows"), py::arg("weight"), py::arg("a"), py::arg("b"),
+        py::arg("a_log"), py::arg("dt_bias"), py::arg("key_heads"), py::arg("head_k_dim"), py::arg("head_v_dim"),
+        py::arg("eps") = 1e-6);
+  m.def("gated_rms_norm", &gated_rms_norm, "weight * rmsnorm(o) * silu(z) per head of o [B, H, dv] (float32); returns [B, H * dv]",
+        py::arg("o"), py::arg("z"), py::arg("weight"), py::arg("eps"));
   bind_decode_stack(m);
 }

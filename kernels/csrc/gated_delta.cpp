@@ -231,3 +231,132 @@ std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, 
   });
   return {o, out};
 }
+
+// The decode step's inputs from the in_proj output of B requests, one token each, all float32:
+// the short causal convolution of each channel over its last K inputs (the conv state read at
+// rows[b] of conv_state [N, C, K - 1], zeros where rows[b] < 0, then this token's mixed [B, C]),
+// SiLU; q and k L2-normalised over each of key_heads heads (q then scaled by head_k_dim^-1/2), v;
+// per value head the log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b)
+// (a, b [B, H]); and each request's new conv state, its last K - 1 inputs. As GatedDeltaNet's
+// PyTorch path computes them. Returns (q [B, Hk, dk], k [B, Hk, dk], v [B, H, dv], g [B, H],
+// beta [B, H], conv_out [B, C, K - 1]).
+std::vector<torch::Tensor> gated_delta_prepare(torch::Tensor mixed, torch::Tensor conv_state, torch::Tensor rows,
+                                               torch::Tensor weight, torch::Tensor a, torch::Tensor b,
+                                               torch::Tensor a_log, torch::Tensor dt_bias, int64_t key_heads,
+                                               int64_t head_k_dim, int64_t head_v_dim, double eps) {
+  check_float(mixed, "mixed", 2);
+  check_float(conv_state, "conv_state", 3);
+  check_float(weight, "weight", 2);
+  check_float(a, "a", 2);
+  check_float(b, "b", 2);
+  check_float(a_log, "A_log", 1);
+  check_float(dt_bias, "dt_bias", 1);
+  const int64_t B = mixed.size(0), C = mixed.size(1), K = weight.size(1), H = a.size(1);
+  const int64_t key_dim = key_heads * head_k_dim;
+  TORCH_CHECK(C == 2 * key_dim + H * head_v_dim, "mixed must be [B, 2 Hk dk + H dv]");
+  TORCH_CHECK(weight.size(0) == C && K >= 2 && conv_state.size(1) == C && conv_state.size(2) == K - 1,
+              "weight must be [C, K] and conv_state [N, C, K - 1]");
+  TORCH_CHECK(a.size(0) == B && b.sizes() == a.sizes() && a_log.size(0) == H && dt_bias.size(0) == H && H % key_heads == 0,
+              "a and b must be [B, H], A_log and dt_bias [H]");
+  TORCH_CHECK(mixed.stride(1) == 1 && a.stride(1) == 1 && b.stride(1) == 1, "mixed, a and b need contiguous rows");
+  auto r = rows.to(torch::kLong).cpu().contiguous();
+  TORCH_CHECK(r.dim() == 1 && r.size(0) == B, "rows must be [B]");
+  const int64_t* idx = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B; ++i) TORCH_CHECK(idx[i] < conv_state.size(0), "a row index is past conv_state's rows");
+  auto cs = conv_state.contiguous();
+  auto w = weight.contiguous();
+  auto al = a_log.contiguous();
+  auto db = dt_bias.contiguous();
+  auto opts = mixed.options();
+  auto q = torch::empty({B, key_heads, head_k_dim}, opts);
+  auto k = torch::empty({B, key_heads, head_k_dim}, opts);
+  auto v = torch::empty({B, H, head_v_dim}, opts);
+  auto g = torch::empty({B, H}, opts);
+  auto beta = torch::empty({B, H}, opts);
+  auto tail = torch::empty({B, C, K - 1}, opts);
+  const float* mp = mixed.data_ptr<float>();
+  const float* sp = cs.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *tp = tail.data_ptr<float>();
+  const int64_t m_row = mixed.stride(0);
+  // the convolution, SiLU, and the new conv states: every (request, channel)
+  at::parallel_for(0, B * C, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / C, c = t % C;
+      const float* prev = idx[i] < 0 ? nullptr : sp + (idx[i] * C + c) * (K - 1);
+      const float* wc = wp + c * K;
+      float* out_tail = tp + t * (K - 1);
+      const float x = mp[i * m_row + c];
+      float acc = 0.0f;
+      for (int64_t j = 0; j < K - 1; ++j) {
+        const float in = prev == nullptr ? 0.0f : prev[j];
+        acc += in * wc[j];
+        if (j > 0) out_tail[j - 1] = in;
+      }
+      acc += x * wc[K - 1];
+      out_tail[K - 2] = x;
+      const float y = acc / (1.0f + std::exp(-acc));  // SiLU
+      if (c < key_dim) qp[i * key_dim + c] = y;
+      else if (c < 2 * key_dim) kp[i * key_dim + c - key_dim] = y;
+      else vp[i * H * head_v_dim + c - 2 * key_dim] = y;
+    }
+  });
+  // q and k normalised per head; g and beta per value head
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_k_dim));
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *betap = beta.data_ptr<float>();
+  const float* alp = al.data_ptr<float>();
+  const float* dbp = db.data_ptr<float>();
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t h = 0; h < 2 * key_heads; ++h) {
+      float* x = (h < key_heads ? qp + (i * key_heads + h) * head_k_dim : kp + (i * key_heads + h - key_heads) * head_k_dim);
+      float ss = 0.0f;
+      for (int64_t d = 0; d < head_k_dim; ++d) ss += x[d] * x[d];
+      const float inv = 1.0f / std::sqrt(ss + static_cast<float>(eps)) * (h < key_heads ? scale : 1.0f);
+      for (int64_t d = 0; d < head_k_dim; ++d) x[d] *= inv;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const float z = ap[i * a.stride(0) + h] + dbp[h];
+      const float softplus = z > 20.0f ? z : std::log1p(std::exp(z));
+      gp[i * H + h] = -std::exp(alp[h]) * softplus;
+      betap[i * H + h] = 1.0f / (1.0f + std::exp(-bp[i * b.stride(0) + h]));
+    }
+  }
+  return {q, k, v, g, beta, tail};
+}
+
+// weight * rmsnorm(o) * silu(z) over each of o's [B, H, dv] heads (float32; z [B, H * dv] with
+// contiguous rows): the Gated DeltaNet's output norm. Returns [B, H * dv].
+torch::Tensor gated_rms_norm(torch::Tensor o, torch::Tensor z, torch::Tensor weight, double eps) {
+  check_float(o, "o", 3);
+  check_float(z, "z", 2);
+  check_float(weight, "weight", 1);
+  const int64_t B = o.size(0), H = o.size(1), dv = o.size(2);
+  TORCH_CHECK(z.size(0) == B && z.size(1) == H * dv && z.stride(1) == 1 && weight.size(0) == dv,
+              "z must be [B, H * dv] with contiguous rows and weight [dv]");
+  auto oc = o.contiguous();
+  auto wc = weight.contiguous();
+  auto out = torch::empty({B, H * dv}, o.options());
+  const float* op = oc.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* outp = out.data_ptr<float>();
+  const int64_t z_row = z.stride(0);
+  at::parallel_for(0, B * H, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t i = t / H, h = t % H;
+      const float* x = op + t * dv;
+      const float* zh = zp + i * z_row + h * dv;
+      float* y = outp + t * dv;
+      float ss = 0.0f;
+      for (int64_t d = 0; d < dv; ++d) ss += x[d] * x[d];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dv) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dv; ++d) {
+        const float gate = zh[d] / (1.0f + std::exp(-zh[d]));
+        y[d] = wp[d] * (x[d] * inv) * gate;
+      }
+    }
+  });
+  return out;
+}

@@ -29,4 +29,9 @@ std::vector<torch::Tensor> gated_delta_decode(torch::Tensor q, torch::Tensor k, 
                                               torch::Tensor beta, torch::Tensor state, c10::optional<torch::Tensor> rows,
                                               c10::optional<torch::Tensor> out_state,
                                               c10::optional<torch::Tensor> out_rows);
+std::vector<torch::Tensor> gated_delta_prepare(torch::Tensor mixed, torch::Tensor conv_state, torch::Tensor rows,
+                                               torch::Tensor weight, torch::Tensor a, torch::Tensor b,
+                                               torch::Tensor a_log, torch::Tensor dt_bias, int64_t key_heads,
+                                               int64_t head_k_dim, int64_t head_v_dim, double eps);
+torch::Tensor gated_rms_norm(torch::Tensor o, torch::Tensor z, torch::Tensor weight, double eps);
 void bind_decode_stack(pybind11::module& m);

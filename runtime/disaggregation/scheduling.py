@@ -193,9 +193,10 @@ class Disaggregation:
         states = torch.empty(0, dtype=torch.uint8)
         if self.state_pool is not None:
             states = self.state_pool.pack(req.kv.row, n - 1)
-            if states is None:
-                self.side.fail_room(req.bootstrap_room, "the prefill side did not keep the linear-attention states of this prompt")
-                return None
+            if states is None:  # (never expected: its passes keep them) both halves fail, with the reason
+                message = "the prefill side did not keep the linear-attention states of this prompt"
+                self.side.fail_room(req.bootstrap_room, message)
+                raise RuntimeError(message)
         start = min(self.side.wanted_start(req.bootstrap_room), n - 1)
         data = self.kv_pool.gather_tokens(self.sched.kv.slots(req.kv, start, n - 1)).cpu()
         self.sending_salts[req.rid] = req.cache_salt

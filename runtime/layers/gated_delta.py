@@ -24,7 +24,11 @@ The decode step is one fused kernel where one runs (``decode_kernel``): C++ on C
 (``gated_delta_decode``, kernels/csrc/gated_delta.cpp), Triton on GPUs
 (kernels/triton_gated_delta.py). Each reads a decode row's state where the pool holds it, once,
 and writes the new state once, into a spare slot of the pool (or its scratch room), which is
-what gets staged and, once committed, becomes the row's state without a copy;
+what gets staged and, once committed, becomes the row's state without a copy. On CPUs in float32
+the steps before it are one C++ call too (``gated_delta_prepare``: the convolution over the conv
+states read in place, SiLU, the q/k norms, g and beta), and a pass of decode rows only ends in
+the C++ output norm (``gated_rms_norm``): some twenty small tensor operations a layer, each
+costing more in dispatch than in arithmetic at batch 1;
 ``delta_rule_recurrent`` is the reference they match and the path everywhere else.
 """
 
@@ -171,6 +175,15 @@ def decode_kernel(x: torch.Tensor, states: torch.Tensor) -> DecodeStep | None:
     return None
 
 
+def prepare_kernel(x: torch.Tensor, conv_states: torch.Tensor) -> DecodeStep | None:
+    """The C++ kernel that turns the decode rows' in_proj output into the decode step's q, k, v, g,
+    beta and new conv states (``gated_delta_prepare``), where it runs: float32 on CPUs; else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or conv_states.dtype != torch.float32:
+        return None
+    ext = cpu_kernels()
+    return getattr(ext, "gated_delta_prepare", None) if ext is not None else None
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each value head's output, multiplied by SiLU of the gate ``z``."""
 
@@ -216,13 +229,20 @@ class GatedDeltaNet(nn.Module):
         pool = batch.state_pool
         nd = batch.num_decode
         step = decode_kernel(x, pool.state) if nd else None
+        prepare = prepare_kernel(x, pool.conv) if step is not None else None
         first = nd if step is not None else 0  # the rows whose recurrent states the kernel reads in place
-        conv_state, state = pool.read(self.state_layer, batch, states_from=first)  # state: rows first..
+        conv_first = nd if prepare is not None else 0  # ... and whose conv states too
+        conv_state, state = pool.read(self.state_layer, batch, states_from=first, conv_from=conv_first)  # rows first.. / conv_first..
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        outs = []
+        if prepare is not None:  # every decode row's one token at once, from in_proj's output to the new state in one kernel each
+            out = self._decode_fused(prepare, step, mixed[:nd], a[:nd], b[:nd], weight, pool, batch)
+            if nd == batch.batch_size:  # no prompt rows: the output norm fused too (prepare came from the same extension)
+                return self._project(cpu_kernels().gated_rms_norm(out, z, self.norm.weight, self.norm.eps), out, z, x)
+            outs.append(out)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         beta = b.float().sigmoid()
-        outs = []
-        if nd:  # every decode row's one token at once
+        if nd and prepare is None:  # every decode row's one token at once
             window = torch.cat([conv_state[:nd], mixed[:nd].unsqueeze(-1).to(conv_state.dtype)], dim=-1)  # [B, C, K]
             conv = F.silu((window * weight).sum(dim=-1).float())
             if step is not None:
@@ -242,7 +262,7 @@ class GatedDeltaNet(nn.Module):
         start = nd
         for i in range(nd, batch.batch_size):
             n, keep = batch.extend_lens[i], batch.state_keep(i)
-            seq = torch.cat([conv_state[i], mixed[start : start + n].t().to(conv_state.dtype)], dim=-1)  # [C, K - 1 + n]
+            seq = torch.cat([conv_state[i - conv_first], mixed[start : start + n].t().to(conv_state.dtype)], dim=-1)  # [C, K - 1 + n]
             conv = F.silu(F.conv1d(seq.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=s.conv_dim)[0].float()).t()  # [n, C]
             tails = seq.unfold(1, s.conv_kernel - 1, 1)[:, -keep:].permute(1, 0, 2)  # the conv state after each of the last keep tokens
             q, k, v = self._qkv(conv)
@@ -264,9 +284,30 @@ class GatedDeltaNet(nn.Module):
             if marks:  # the states after h of the row's tokens: conv inputs h .. h + K - 2 and the recurrent state
                 pool.stage_marks(self.state_layer, i, {h: (seq[:, h : h + s.conv_kernel - 1], marked[h] if h <= head else states[0, h - head - 1]) for h in marks})
             start += n
-        core = torch.cat(outs).to(x.dtype)  # [T, Hv, dv]
-        core = self.norm(core, z.reshape(-1, s.num_v_heads, s.head_v_dim))
-        out = self.out_proj(core.reshape(x.shape[0], s.value_dim))
+        return self._project(None, torch.cat(outs), z, x)
+
+    def _decode_fused(self, prepare: DecodeStep, step: DecodeStep, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      weight: torch.Tensor, pool, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
+        """The decode rows' outputs ``[nd, Hv, dv]``: the C++ kernels from in_proj's output to the
+        new states (read and written in the pool's slots), each row's states staged."""
+        s, nd = self.spec, mixed.shape[0]
+        conv_source, conv_rows = pool.in_place_conv(self.state_layer, batch, nd)
+        q, k, v, g, beta, tails = prepare(mixed, conv_source, conv_rows, weight, a, b, self.A_log, self.dt_bias, s.num_k_heads, s.head_k_dim, s.head_v_dim)
+        source, rows = pool.in_place(self.state_layer, batch, nd)
+        target, slots = pool.decode_targets(self.state_layer, nd)
+        out, states = step(q, k, v, g, beta, source, rows, target, slots)
+        for i in range(nd):
+            j = i if slots is None else int(slots[i])
+            pool.stage(self.state_layer, i, tails[i : i + 1], states[j : j + 1])
+        return out
+
+    def _project(self, normed: torch.Tensor | None, core: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out_proj of the gated norm of the outputs ``core`` ``[T, Hv, dv]`` (``normed``: that norm,
+        computed already), summed over the ranks under tensor parallelism."""
+        s = self.spec
+        if normed is None:
+            normed = self.norm(core.to(x.dtype), z.reshape(-1, s.num_v_heads, s.head_v_dim))
+        out = self.out_proj(normed.reshape(x.shape[0], s.value_dim))
         return out if self.group is None else self.group.all_reduce(out)
 
     def _qkv(self, conv: torch.Tensor, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
