@@ -19,13 +19,26 @@ Freeing a snapshot writes nothing (a worker's slot is simply written over when r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from radixlm.radix_cache.state_pool import StatePool
-    from radixlm.radix_cache.state_snapshots import StateSnapshots
+from typing import Protocol
 
 _COMMIT, _TAKE, _RESTORE = 1, 2, 3
+
+
+class Commits(Protocol):
+    """What a replay calls on a worker's ``StatePool`` (which writes this journal on rank 0)."""
+
+    def commit(self, kept: list[int | None]) -> None:
+        """Keep each row's staged state at its kept length."""
+
+
+class Slots(Protocol):
+    """What a replay calls on a worker's ``StateSnapshots``."""
+
+    def write_row(self, slot: int, row: int, length: int) -> None:
+        """Hold a row's states in a snapshot slot."""
+
+    def restore_slot(self, slot: int, row: int, length: int) -> None:
+        """Start a row from a snapshot slot."""
 
 
 class StateJournal:
@@ -52,7 +65,7 @@ class StateJournal:
         return ops
 
 
-def replay(ops: Sequence[int], pool: StatePool, snapshots: StateSnapshots) -> None:
+def replay(ops: Sequence[int], pool: Commits, snapshots: Slots) -> None:
     """Repeat rank 0's ``ops`` (``StateJournal.drain``) on this rank's pool and snapshots; raises
     ValueError on a run that does not parse or a state this rank does not hold (the ranks diverged)."""
     i = 0

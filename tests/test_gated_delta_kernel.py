@@ -149,20 +149,27 @@ class _Batch:
         return []
 
 
+def _random_layer_and_pool(seed: int, layers: int) -> tuple[GatedDeltaSpec, GatedDeltaNet, StatePool]:
+    """A Qwen3.5-like layer (2 key heads, 4 value heads) with random weights, the pool's last
+    layer, over a pool of 6 rows of random states."""
+    torch.manual_seed(seed)
+    spec = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, conv_kernel=4)
+    layer = GatedDeltaNet(48, spec, state_layer=layers - 1, eps=1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    pool = StatePool(rows=6, layers=layers, conv_shape=spec.conv_state_shape, state_shape=spec.state_shape, conv_dtype=torch.float32)
+    pool.conv.normal_()
+    pool.state.normal_()
+    return spec, layer, pool
+
+
 def test_the_layer_decodes_with_the_kernel_as_with_the_pytorch_path(ext, monkeypatch):
     """A mixed batch (three decode rows, one of them fresh, and a prompt) through a Qwen3.5-like
     layer (2 key heads, 4 value heads): the same outputs and staged states with the kernel as
     without it, and the committed states untouched until commit. The kernel writes the decode
     rows' new states into spare slots, which commit makes theirs without a copy."""
-    torch.manual_seed(0)
-    spec = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, conv_kernel=4)
-    layer = GatedDeltaNet(48, spec, state_layer=1, eps=1e-6)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    pool = StatePool(rows=6, layers=2, conv_shape=spec.conv_state_shape, state_shape=spec.state_shape, conv_dtype=torch.float32)
-    pool.conv.normal_()
-    pool.state.normal_()
+    spec, layer, pool = _random_layer_and_pool(seed=0, layers=2)
     committed = pool.state.clone()
     batch = _Batch(pool, rows=[3, 0, 5, 1], prefix=[9, 0, 4, 6], extend=[1, 1, 1, 5], num_decode=3)
     x = torch.randn(8, 48)
@@ -205,15 +212,7 @@ def test_the_fused_decode_path_equals_the_pytorch_path_from_in_proj_to_the_norm(
     the conv over states read in place, SiLU, q/k norms, g, beta; then the step), and with no
     prompt row in the pass the output norm too (``gated_rms_norm``): the layer's output and the
     staged conv and recurrent states are the PyTorch path's."""
-    torch.manual_seed(1)
-    spec = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=24, conv_kernel=4)
-    layer = GatedDeltaNet(48, spec, state_layer=0, eps=1e-6)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn_like(p) * 0.3)
-    pool = StatePool(rows=6, layers=1, conv_shape=spec.conv_state_shape, state_shape=spec.state_shape, conv_dtype=torch.float32)
-    pool.conv.normal_()
-    pool.state.normal_()
+    spec, layer, pool = _random_layer_and_pool(seed=1, layers=1)
     if prompt_row:
         batch = _Batch(pool, rows=[3, 0, 5, 1], prefix=[9, 0, 4, 6], extend=[1, 1, 1, 5], num_decode=3)
     else:

@@ -128,10 +128,12 @@ class DecodeReceiver:
         start, end = sent.start, sent.end
         t0 = time.perf_counter()
         states = torch.empty(0, dtype=torch.uint8)
-        if end > start:  # always received (its size is bounded), even for an ended request: the stream stays in step
+        if end > start and sent.state_bytes:  # a hybrid model's: the KV, then the states, in one message
             kv_bytes = (end - start) * sent.token_bytes
             received = self.link.recv((kv_bytes + sent.state_bytes,), tag)
             data, states = received[:kv_bytes].view(end - start, sent.token_bytes), received[kv_bytes:]
+        elif end > start:  # always received (its size is bounded), even for an ended request: the stream stays in step
+            data = self.link.recv((end - start, sent.token_bytes), tag)
         else:  # the decode side held the whole prompt already
             data = torch.empty((0, self.link.layout.token_bytes), dtype=torch.uint8)
         seconds = time.perf_counter() - t0

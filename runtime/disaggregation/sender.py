@@ -172,7 +172,7 @@ class PrefillSender:
         data = job.data[start - job.start : end - job.start]
         tag = self._record(job.room, start=start, end=end, token_bytes=data.shape[1], state_bytes=job.states.numel())
         t0 = time.perf_counter()
-        self.link.send(torch.cat([data.reshape(-1), job.states]), tag)
+        self.link.send(torch.cat([data.reshape(-1), job.states]) if job.states.numel() else data, tag)
         seconds = time.perf_counter() - t0
         self.stats.transfers += 1
         self.stats.tokens += end - start

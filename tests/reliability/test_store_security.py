@@ -222,7 +222,7 @@ def link_pair(decode_secret: bytes = SECRET, max_tokens: int = 64, host: str = "
     receiver = DecodeReceiver(KVLink("decode", boot, LAYOUT, 10, decode_secret, max_tokens))
     got: dict[str, list] = {"kv": [], "failed": []}
     receiver.post = lambda fn: fn()
-    receiver.on_kv = lambda room, start, end, data, s: got["kv"].append((room, start, end, data))
+    receiver.on_kv = lambda room, start, end, data, states, s: got["kv"].append((room, start, end, data))
     receiver.on_failed = lambda room, msg, status: got["failed"].append((room, msg, status))
     try:
         yield prefill, receiver, got
