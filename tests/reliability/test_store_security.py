@@ -25,7 +25,7 @@ from helpers import wait_until
 from radixlm.runtime.disaggregation import shared_secret
 from radixlm.runtime.disaggregation.link import GENERATION_KEY, HELLO_KEY, KVLink
 from radixlm.runtime.disaggregation.receiver import DecodeReceiver
-from radixlm.runtime.disaggregation.records import BadRecord, KVLayout, parse_have
+from radixlm.runtime.disaggregation.records import BadRecord, KVLayout, Sent, parse_have
 from radixlm.runtime.disaggregation.shared_secret import SECRET_ENV, SECRET_FILE_ENV, link_secret
 from radixlm.runtime.distributed.group import TPGroup, join_store, open_store
 from radixlm.runtime.distributed.store import (
@@ -304,6 +304,18 @@ def test_pd_link_on_another_address_listens_there_only_and_hands_over():
         prefill.send(kv(2, 9), 0)
         wait_until(lambda: got["kv"], 60, "the hand-over")
         assert got["failed"] == [] and bool((got["kv"][0][3] == 9).all())
+
+
+def test_pd_a_hybrid_models_state_size_is_checked_before_anything_is_received():
+    """A hybrid model's KV record also sizes the states that follow the KV: only the layout's
+    exact size is believed (a signed record with another fails its own request alone)."""
+    hybrid = KVLayout(**{**vars(LAYOUT), "state_bytes": 4096, "state_format": "conv torch.float32 (2, 8, 3), state torch.float32 (2, 1, 8, 8)"})
+    record = {"room": 1, "start": 0, "end": 3, "token_bytes": LAYOUT.token_bytes, "state_bytes": 4096}
+    assert Sent.parse(record, hybrid, 64).state_bytes == 4096
+    for bad in (10**12, 0, None):
+        with pytest.raises(BadRecord, match="'state_bytes' must be an integer in \\[4096, 4096\\]"):
+            Sent.parse({**record, "state_bytes": bad}, hybrid, 64)
+    assert Sent.parse(record, LAYOUT, 64).state_bytes == 0  # a layout without states reads none
 
 
 def test_pd_have_records_are_checked_before_use():
