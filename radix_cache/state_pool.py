@@ -87,6 +87,8 @@ class StatePool:
         self._ends: list[int] = []
         self._keep: list[int] = []
         self._batch_extend: list[int] = []
+        self._fresh: list[int] = []
+        self._rows_index = self._homes_index = self._kernel_rows = self._kernel_slots = torch.zeros(0, dtype=torch.int64)
         self._staged: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(layers)]
         self._marked: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(layers)]
         self._scratch: list[torch.Tensor | None] = [None] * layers  # per layer: the decode step's new states, reused pass to pass
@@ -120,37 +122,39 @@ class StatePool:
         self._batch_extend = list(batch.extend_lens)
         for staged in (*self._staged, *self._marked):
             staged.clear()
+        # each row's conv row and recurrent-state slot, the same for every layer of the pass (-1: zeros, in the kernels' form)
+        self._fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
+        self._rows_index = torch.tensor(self._batch_rows, dtype=torch.int64)
+        self._homes_index = torch.tensor([self.home[r] for r in self._batch_rows], dtype=torch.int64)
+        self._kernel_rows, self._kernel_slots = self._rows_index.clone(), self._homes_index.clone()
+        self._kernel_rows[self._fresh] = self._kernel_slots[self._fresh] = -1
 
-    def read(self, layer: int, batch: PassRows, states_from: int = 0, conv_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Committed conv states of ``batch``'s rows ``conv_from`` on in ``layer`` and recurrent
+    def read(self, layer: int, states_from: int = 0, conv_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Committed conv states of the pass's rows ``conv_from`` on in ``layer`` and recurrent
         states of its rows ``states_from`` on (zeros for a row that starts its sequence):
         ``[B - conv_from, *conv_shape]``, ``[B - states_from, *state_shape]``, copies. (Kernels
         read the first rows' states where they lie instead: ``in_place``, ``in_place_conv``.)"""
         device = self.state.device
-        rows = torch.tensor(self._batch_rows[conv_from:], dtype=torch.int64, device=device)
-        homes = torch.tensor([self.home[r] for r in self._batch_rows[states_from:]], dtype=torch.int64, device=device)
+        rows, homes = self._rows_index[conv_from:].to(device), self._homes_index[states_from:].to(device)
         conv, state = self.conv[layer].index_select(0, rows), self.state[layer].index_select(0, homes)
-        fresh = [i for i, p in enumerate(batch.prefix_lens) if p == 0]
         for part, start in ((conv, conv_from), (state, states_from)):
-            zeros = [i - start for i in fresh if i >= start]
+            zeros = [i - start for i in self._fresh if i >= start]
             if zeros:
                 part[zeros] = 0
         return conv, state
 
-    def in_place_conv(self, layer: int, batch: PassRows, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def in_place_conv(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed conv states of ``layer``, ``[rows, *conv_shape]`` (to read only), and the
-        row of each of ``batch``'s first ``n`` rows (int64 ``[n]``; -1 for a row that starts its
+        row of each of the pass's first ``n`` rows (int64 ``[n]``; -1 for a row that starts its
         sequence: zeros)."""
-        rows = [-1 if batch.prefix_lens[i] == 0 else r for i, r in enumerate(self._batch_rows[:n])]
-        return self.conv[layer], torch.tensor(rows, dtype=torch.int64)
+        return self.conv[layer], self._kernel_rows[:n]
 
-    def in_place(self, layer: int, batch: PassRows, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def in_place(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The recurrent state slots of ``layer``, ``[slots, *state_shape]`` (to read only: the
-        committed ones change at ``commit`` alone), and for each of ``batch``'s first ``n`` rows
+        committed ones change at ``commit`` alone), and for each of the pass's first ``n`` rows
         the slot of its committed state (int64 ``[n]``; -1 for a row that starts its sequence: its
         state is zeros)."""
-        slots = [-1 if batch.prefix_lens[i] == 0 else self.home[r] for i, r in enumerate(self._batch_rows[:n])]
-        return self.state[layer], torch.tensor(slots, dtype=torch.int64)
+        return self.state[layer], self._kernel_slots[:n]
 
     def decode_targets(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where the fused kernel writes the new recurrent states of the pass's first ``n`` rows

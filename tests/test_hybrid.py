@@ -357,7 +357,7 @@ def test_state_pool_commits_the_state_at_the_kept_length_and_nothing_from_an_unc
             pool.stage(layer, 1, torch.zeros(1, 3, 2), torch.zeros(1, 2, 2, 2))
         pool.commit([10, 6])  # before the row's first new token: no state was staged there
     pool.begin(batch)  # a pass that raised and never committed leaves the committed states alone
-    conv, state = pool.read(0, batch)
+    conv, state = pool.read(0)
     assert torch.all(state[0] == 1) and torch.all(state[1] == 0)  # row 0 of the batch starts its sequence: zeros
 
 

@@ -232,7 +232,7 @@ class GatedDeltaNet(nn.Module):
         prepare = prepare_kernel(x, pool.conv) if step is not None else None
         first = nd if step is not None else 0  # the rows whose recurrent states the kernel reads in place
         conv_first = nd if prepare is not None else 0  # ... and whose conv states too
-        conv_state, state = pool.read(self.state_layer, batch, states_from=first, conv_from=conv_first)  # rows first.. / conv_first..
+        conv_state, state = pool.read(self.state_layer, states_from=first, conv_from=conv_first)  # rows first.. / conv_first..
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         outs = []
         if prepare is not None:  # every decode row's one token at once, from in_proj's output to the new state in one kernel each
@@ -246,7 +246,7 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat([conv_state[:nd], mixed[:nd].unsqueeze(-1).to(conv_state.dtype)], dim=-1)  # [B, C, K]
             conv = F.silu((window * weight).sum(dim=-1).float())
             if step is not None:
-                source, rows = pool.in_place(self.state_layer, batch, nd)
+                source, rows = pool.in_place(self.state_layer, nd)
                 q, k, v = self._qkv(conv, repeat=False)  # the kernel maps value heads to key heads itself
                 target, slots = pool.decode_targets(self.state_layer, nd)
                 out, states = step(q, k, v, g[:nd], beta[:nd], source, rows, target, slots)  # the new states in target's slots (row i's at i without them)
@@ -291,9 +291,9 @@ class GatedDeltaNet(nn.Module):
         """The decode rows' outputs ``[nd, Hv, dv]``: the C++ kernels from in_proj's output to the
         new states (read and written in the pool's slots), each row's states staged."""
         s, nd = self.spec, mixed.shape[0]
-        conv_source, conv_rows = pool.in_place_conv(self.state_layer, batch, nd)
+        conv_source, conv_rows = pool.in_place_conv(self.state_layer, nd)
         q, k, v, g, beta, tails = prepare(mixed, conv_source, conv_rows, weight, a, b, self.A_log, self.dt_bias, s.num_k_heads, s.head_k_dim, s.head_v_dim)
-        source, rows = pool.in_place(self.state_layer, batch, nd)
+        source, rows = pool.in_place(self.state_layer, nd)
         target, slots = pool.decode_targets(self.state_layer, nd)
         out, states = step(q, k, v, g, beta, source, rows, target, slots)
         for i in range(nd):
