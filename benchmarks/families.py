@@ -13,7 +13,7 @@ dtype, for reference. Each system runs in a fresh process, one after another, an
 
 - prefill tok/s: one 512-token prompt, 1 new token (wall time; best of 2 after a warm-up);
 - decode tok/s at batch 1: 128 new tokens from an 8-token prompt (greedy, ignore EOS), wall time,
-  best of 2 (one run of a 2-core machine swings by 20% where a neighbour wakes);
+  best of 3 (one run of a 2-core machine swings by 20% where a neighbour wakes);
 - decode tok/s at batch 32: 32 prompts of 6-9 tokens (left-padded for transformers' static batch
   ``generate``) at once, 128 new tokens each, 32 * 128 / wall time;
 - peak resident memory of the process (llama-server: its VmHWM).
@@ -58,6 +58,7 @@ CONVERTER = LLAMA_CPP / "convert_hf_to_gguf.py"
 WORK = PEERS_DIR / "families"
 DEFAULT_OUT = Path(__file__).parent / "results" / "families.md"
 TOKENIZER_VOCAB = 400  # SentencePiece pieces; 0 <unk>, 1 <s>, 2 </s>
+BATCH1_RUNS = 3  # batch-1 decode: best of this many runs, for every system
 SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
@@ -288,7 +289,7 @@ def measure_radixlm(path: str, tokenizer: str, threads: int, work: dict) -> dict
         prefill = w.prefill / best_of(2, lambda: engine.generate(input_ids=p["long"], sampling_params={**params, "max_new_tokens": 1}))
         engine.generate(input_ids=p["short"], sampling_params={**params, "max_new_tokens": 4})
         runs: list[dict] = []
-        batch1 = w.new_tokens / best_of(2, lambda: runs.append(engine.generate(input_ids=p["short"], sampling_params=params)))
+        batch1 = w.new_tokens / best_of(BATCH1_RUNS, lambda: runs.append(engine.generate(input_ids=p["short"], sampling_params=params)))
         out = runs[-1]
         assert len(out["output_ids"]) == w.new_tokens, len(out["output_ids"])
         engine.generate(input_ids=p["batch"], sampling_params={**params, "max_new_tokens": 4})
@@ -325,7 +326,7 @@ def measure_transformers(folder: str, dtype: str, threads: int, work: dict) -> d
         prefill = w.prefill / best_of(2, lambda: model(torch.tensor([p["long"]])))
         generate([p["short"]], 4)
         runs: list[torch.Tensor] = []
-        batch1 = w.new_tokens / best_of(2, lambda: runs.append(generate([p["short"]], w.new_tokens)))
+        batch1 = w.new_tokens / best_of(BATCH1_RUNS, lambda: runs.append(generate([p["short"]], w.new_tokens)))
         out = runs[-1]
         generate(p["batch"], 4)
         start = time.perf_counter()
@@ -370,7 +371,7 @@ def measure_llama_cpp(path: Path, threads: int, work: dict) -> dict:
             prefill = w.prefill / best_of(2, lambda: post(p["long"], 1))
             post(p["short"], 4)
             runs: list[dict] = []
-            batch1 = w.new_tokens / best_of(2, lambda: runs.append(post(p["short"], w.new_tokens)))
+            batch1 = w.new_tokens / best_of(BATCH1_RUNS, lambda: runs.append(post(p["short"], w.new_tokens)))
             out = runs[-1]
             assert out["tokens_predicted"] == w.new_tokens, out["tokens_predicted"]
             with concurrent.futures.ThreadPoolExecutor(w.batch) as pool:
@@ -465,7 +466,7 @@ class Report:
             *quick,
             f"Machine: {machine()}; {a.threads} threads for every system; all measured one after another in one run.",
             f"Command: `{' '.join(sys.argv)}`" + ("" if final else " (in progress: rows so far)"),
-            f"Workload: prefill = one {w.prefill}-token prompt, 1 new token (best of 2); batch 1 = {w.new_tokens} new tokens from an 8-token prompt (best of 2);",
+            f"Workload: prefill = one {w.prefill}-token prompt, 1 new token (best of 2); batch 1 = {w.new_tokens} new tokens from an 8-token prompt (best of {BATCH1_RUNS});",
             f"batch 32 = {w.batch} prompts of 6-9 tokens at once, {w.new_tokens} new tokens each. Greedy, EOS ignored; tok/s from wall time.",
             "",
             "## Shapes",
