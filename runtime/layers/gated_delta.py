@@ -238,7 +238,7 @@ class GatedDeltaNet(nn.Module):
         if prepare is not None:  # every decode row's one token at once, from in_proj's output to the new state in one kernel each
             out = self._decode_fused(prepare, step, mixed[:nd], a[:nd], b[:nd], weight, pool, batch)
             if nd == batch.batch_size:  # no prompt rows: the output norm fused too (prepare came from the same extension)
-                return self._project(cpu_kernels().gated_rms_norm(out, z, self.norm.weight, self.norm.eps), out, z, x)
+                return self._project(cpu_kernels().gated_rms_norm(out, z, self.norm.weight, self.norm.eps), x)
             outs.append(out)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         beta = b.float().sigmoid()
@@ -251,9 +251,7 @@ class GatedDeltaNet(nn.Module):
                 target, slots = pool.decode_targets(self.state_layer, nd)
                 out, states = step(q, k, v, g[:nd], beta[:nd], source, rows, target, slots)  # the new states in target's slots (row i's at i without them)
                 outs.append(out)
-                for i in range(nd):
-                    j = i if slots is None else int(slots[i])
-                    pool.stage(self.state_layer, i, window[i, :, 1:].unsqueeze(0), states[j : j + 1])
+                self._stage_decode(pool, window[:, :, 1:], states, slots)
             else:
                 out, states = self._recur(conv.unsqueeze(1), g[:nd].unsqueeze(1), beta[:nd].unsqueeze(1), state[:nd])
                 outs.append(out[:, 0])
@@ -284,7 +282,8 @@ class GatedDeltaNet(nn.Module):
             if marks:  # the states after h of the row's tokens: conv inputs h .. h + K - 2 and the recurrent state
                 pool.stage_marks(self.state_layer, i, {h: (seq[:, h : h + s.conv_kernel - 1], marked[h] if h <= head else states[0, h - head - 1]) for h in marks})
             start += n
-        return self._project(None, torch.cat(outs), z, x)
+        core = torch.cat(outs).to(x.dtype)  # [T, Hv, dv]
+        return self._project(self.norm(core, z.reshape(-1, s.num_v_heads, s.head_v_dim)), x)
 
     def _decode_fused(self, prepare: DecodeStep, step: DecodeStep, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       weight: torch.Tensor, pool, batch: ForwardBatch) -> torch.Tensor:  # fmt: skip
@@ -296,18 +295,19 @@ class GatedDeltaNet(nn.Module):
         source, rows = pool.in_place(self.state_layer, nd)
         target, slots = pool.decode_targets(self.state_layer, nd)
         out, states = step(q, k, v, g, beta, source, rows, target, slots)
-        for i in range(nd):
-            j = i if slots is None else int(slots[i])
-            pool.stage(self.state_layer, i, tails[i : i + 1], states[j : j + 1])
+        self._stage_decode(pool, tails, states, slots)
         return out
 
-    def _project(self, normed: torch.Tensor | None, core: torch.Tensor, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out_proj of the gated norm of the outputs ``core`` ``[T, Hv, dv]`` (``normed``: that norm,
-        computed already), summed over the ranks under tensor parallelism."""
-        s = self.spec
-        if normed is None:
-            normed = self.norm(core.to(x.dtype), z.reshape(-1, s.num_v_heads, s.head_v_dim))
-        out = self.out_proj(normed.reshape(x.shape[0], s.value_dim))
+    def _stage_decode(self, pool, tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | None) -> None:
+        """Stage each decode row's new conv tail (``tails[i]``) and the new state the kernel wrote
+        (at ``slots[i]`` of ``states``, or at ``i`` without slots)."""
+        at = range(tails.shape[0]) if slots is None else slots.tolist()
+        for i, j in enumerate(at):
+            pool.stage(self.state_layer, i, tails[i : i + 1], states[j : j + 1])
+
+    def _project(self, normed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out_proj of the gated norm's output ``normed``, summed over the ranks under tensor parallelism."""
+        out = self.out_proj(normed.reshape(x.shape[0], self.spec.value_dim))
         return out if self.group is None else self.group.all_reduce(out)
 
     def _qkv(self, conv: torch.Tensor, repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
