@@ -154,10 +154,18 @@ FAMILIES = {
             attention_bias=False, tie_word_embeddings=True,
         ), quick=dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
            converter_args=("--no-mtp",), bpe_pre="qwen2"),
+        Family("qwen3_moe", "Qwen/Qwen3-30B-A3B", "Qwen3MoeConfig", dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
+            hidden_act="silu", rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, attention_bias=False,
+            tie_word_embeddings=False,
+        ), layers=4, quick=dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32), bpe_pre="qwen2"),
     ]
 }  # fmt: skip
-# Llama-3.2-1B is benchmarks/checkpoints.py's real-shaped model, Qwen3.5-0.8B benchmarks/hybrid.py's
-DEFAULT_FAMILIES = [k for k in FAMILIES if k not in ("llama", "qwen3_5")]
+# Llama-3.2-1B is benchmarks/checkpoints.py's real-shaped model, Qwen3.5-0.8B benchmarks/hybrid.py's,
+# Qwen3-30B-A3B benchmarks/moe.py's
+DEFAULT_FAMILIES = [k for k in FAMILIES if k not in ("llama", "qwen3_5", "qwen3_moe")]
 
 
 @dataclass(frozen=True)

@@ -137,7 +137,8 @@ def test_router_ties_go_to_the_lower_expert_and_the_lower_group():
     assert sorted(ids[0].tolist()) == [0, 1, 3]
 
 
-def test_grouped_experts_equal_a_per_token_loop_and_run_each_chosen_expert_once():
+def _experts_recording_calls() -> tuple[nn.ModuleList, list[tuple[int, int]]]:
+    """Six random experts, and the list their calls append (expert, rows) to."""
     torch.manual_seed(0)
     experts = nn.ModuleList(ExpertMLP(HIDDEN, 32, silu_and_mul) for _ in range(6))
     with torch.no_grad():
@@ -146,6 +147,11 @@ def test_grouped_experts_equal_a_per_token_loop_and_run_each_chosen_expert_once(
     calls: list[tuple[int, int]] = []
     for e, expert in enumerate(experts):
         expert.register_forward_hook(lambda _m, args, _out, e=e: calls.append((e, args[0].shape[0])))
+    return experts, calls
+
+
+def test_grouped_experts_equal_a_per_token_loop_and_run_each_chosen_expert_once():
+    experts, calls = _experts_recording_calls()
     ids = torch.tensor([[0, 2], [2, 0], [4, 2], [0, 4], [2, 4], [4, 0], [0, 2], [2, 4], [4, 0]])  # 1, 3, 5: no token
     weights = torch.rand(ids.shape)
     x = torch.randn(ids.shape[0], HIDDEN)
@@ -155,6 +161,18 @@ def test_grouped_experts_equal_a_per_token_loop_and_run_each_chosen_expert_once(
         expected = torch.stack([sum(weights[t, j] * experts[int(ids[t, j])](x[t : t + 1])[0] for j in range(2)) for t in range(len(x))])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert calls_grouped == [(0, 6), (2, 6), (4, 6)]  # one call per chosen expert, with all of its rows
+
+
+def test_one_token_adds_its_experts_in_ascending_id_as_the_grouped_path_does():
+    experts, calls = _experts_recording_calls()
+    ids, weights, x = torch.tensor([[4, 0, 2]]), torch.rand(1, 3), torch.randn(1, HIDDEN)
+    with torch.no_grad():
+        got = run_experts(x, weights, ids, experts)
+        assert calls == [(0, 1), (2, 1), (4, 1)]
+        expected = torch.zeros_like(x)  # the grouped path's index_add_, expert after expert
+        for j in (1, 2, 0):
+            expected.index_add_(0, torch.tensor([0]), experts[int(ids[0, j])](x) * weights[0, j])
+    assert torch.equal(got, expected)
 
 
 def test_a_single_token_reads_only_its_chosen_experts():

@@ -6,6 +6,8 @@ where the family has them (DeepSeek). The routed experts run **grouped**: the (t
 pairs are sorted by expert, and each expert that received tokens multiplies all of its rows in
 one call of its own layers; an expert no token chose is not touched, so a decode step reads only
 the chosen experts' weights (the reason an MoE decodes faster than a dense model of its size).
+A single token (a batch-1 decode step) skips the grouping and runs its k experts one after
+another, added in the same order.
 
 Every expert is a ``nn.Linear`` pair (fused gate/up, then down), so weight quantization
 (``--quantization``), stored checkpoint formats and the CPU kernels apply to experts as to any
@@ -50,6 +52,8 @@ class ExpertMLP(nn.Module):
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """``sum_j weights[t, j] * experts[ids[t, j]](x[t])`` for every token ``t``, each expert's tokens in one call."""
     tokens, k = ids.shape
+    if tokens == 1:  # a batch-1 decode step: the token's experts one after another, nothing to group
+        return _one_token(x, weights[0], ids[0], experts)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
     counts = torch.bincount(flat, minlength=len(experts)).tolist()
@@ -63,6 +67,14 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
         rows = rows_of[start : start + count]
         out.index_add_(0, rows, expert(x.index_select(0, rows)) * scale[start : start + count])
         start += count
+    return out
+
+
+def _one_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+    """``run_experts`` for one token ``x`` ``[1, hidden]``: the same products added in the same order (ascending expert id)."""
+    out = torch.zeros_like(x)
+    for expert, weight in sorted(zip(ids.tolist(), weights.to(x.dtype).unbind()), key=lambda pair: pair[0]):
+        out += experts[expert](x) * weight
     return out
 
 
