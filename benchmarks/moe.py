@@ -237,6 +237,11 @@ def write_report(args, work, hf: Path, gguf: Path, built: dict, tb: TokenBytes, 
         f"(`-t {args.threads} -tb {args.threads} --parallel {work.batch}`), transformers with `generate`.",
         "- The bound counts weights only: the KV cache, activations and the per-step work of routing are on top of it,",
         "  so no system reaches 100%.",
+        "- The systems run one after another, not alternated: on a shared machine whose speed moves from minute to minute,",
+        "  a ratio from one run is good to about 0.1.",
+        "- radixlm runs MoE layers on its Python path at decode (the fused C++ decode stack takes dense layers only): a",
+        "  fixed cost per layer that the layers cut here leave out, so the published 48-layer model would fall further",
+        "  behind llama.cpp than this file shows.",
         "",
     ]
     out = Path(args.out)

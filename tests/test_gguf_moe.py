@@ -278,3 +278,37 @@ def test_the_experts_quantized_types_are_reported_as_stored_formats(hf_folders, 
 
     path = write_family_gguf(hf_folders["qwen3moe"], tmp_path / "experts.gguf", lambda n: "Q8_0" if "_exps" in n else "F32")
     assert stored_formats(str(path)) == {"gguf:Q8_0"}
+
+
+def test_one_tokens_gguf_experts_take_one_call_with_the_layer_by_layer_sum(cpp_ext, monkeypatch):
+    """A batch-1 token whose chosen experts are all GGUF blocks (gate/up Q4_K and Q6_K parts, down
+    Q8_0) runs them in one C++ call, with the output of the experts called one by one, to the bit."""
+    from torch import nn
+
+    from radixlm.runtime.layers import moe
+    from radixlm.runtime.layers.activation import silu_and_mul
+
+    rng = np.random.default_rng(0)
+    hidden = inter = 256  # whole K-quant super-blocks
+
+    def part(rows: int, k: int, qtype: str) -> tuple[int, torch.Tensor]:
+        blocks = quantize(rng.normal(0, 0.1, (rows, k)).astype(np.float32), qtype)
+        return {"Q4_K": 12, "Q6_K": 14, "Q8_0": 8}[qtype], torch.from_numpy(np.ascontiguousarray(blocks))
+
+    experts = nn.ModuleList()
+    for _ in range(6):
+        expert = moe.ExpertMLP(hidden, inter, silu_and_mul)
+        expert.gate_up_proj = GGUFLinear([part(inter, hidden, "Q4_K"), part(inter, hidden, "Q6_K")], hidden)
+        expert.down_proj = GGUFLinear([part(hidden, inter, "Q8_0")], inter)
+        experts.append(expert)
+    calls = []
+    one_call = cpp_ext.gguf_experts_token
+    monkeypatch.setattr(cpp_ext, "gguf_experts_token", lambda *a: calls.append(1) or one_call(*a))
+    x, weights, ids = torch.randn(1, hidden), torch.rand(1, 3), torch.tensor([[4, 0, 2]])
+    with torch.no_grad():
+        got = moe.run_experts(x, weights, ids, experts)
+        expected = torch.zeros_like(x)
+        for j in (1, 2, 0):  # ascending expert id
+            expected += experts[int(ids[0, j])](x) * weights[0, j]
+    assert calls == [1]
+    assert torch.equal(got, expected)

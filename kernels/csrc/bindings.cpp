@@ -22,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tiles"), py::arg("n"));
   m.def("gguf_linear", &gguf_linear, "x @ W.T for float32 x [M, K] and W the row parts of GGUF blocks (uint8 [n_i, row_bytes], one type id each)",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("n"));
+  m.def("gguf_experts_token", &gguf_experts_token,
+        "One token's routed experts over GGUF blocks: sum_j weights[j] * down_j(act(gate_up_j(x))), j in the order given",
+        py::arg("x"), py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"), py::arg("weights"),
+        py::arg("gelu") = false);
   m.def("gguf_dequantize_rows", &gguf_dequantize_rows, "The rows ids of GGUF blocks of one type, dequantized exactly to float32 [T, k]",
         py::arg("blocks"), py::arg("type"), py::arg("ids"), py::arg("k"));
   m.def("gguf_native_types", &gguf_native_types, "The GGUF type ids gguf_linear and gguf_dequantize_rows take");

@@ -100,3 +100,48 @@ torch::Tensor gguf_dequantize_rows(torch::Tensor blocks, int64_t type, torch::Te
 std::vector<int64_t> gguf_native_types() {
   return std::vector<int64_t>(std::begin(radixlm::gguf::kTypes), std::end(radixlm::gguf::kTypes));
 }
+
+// One token's routed experts over GGUF blocks, as runtime/layers/moe.py's _one_token computes them
+// with GGUFLinear experts, in one call: out = 0, then out += down_j(act(gate_up_j(x))) * weights[j]
+// for j in the order given (ascending expert id). The k gate/up projections share x, so they run
+// as one gguf_linear over all their parts (each row's sums do not depend on the others), the
+// activation over the k rows at once; then each expert's down projection of its own row. x [1, H]
+// float32; gate_up[j], down[j]: expert j's row parts (uint8 blocks) with their types; weights [k]
+// float32; gelu: GELU-tanh instead of SiLU. Returns [1, H].
+torch::Tensor gguf_experts_token(torch::Tensor x, std::vector<std::vector<torch::Tensor>> gate_up,
+                                 std::vector<std::vector<int64_t>> gate_up_types, std::vector<std::vector<torch::Tensor>> down,
+                                 std::vector<std::vector<int64_t>> down_types, torch::Tensor weights, bool gelu) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == torch::kFloat32,
+              "gguf_experts_token: x must be one float32 CPU row [1, H]");
+  const int64_t k = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(k > 0 && gate_up_types.size() == gate_up.size() && down.size() == gate_up.size() &&
+                  down_types.size() == gate_up.size(),
+              "gguf_experts_token: gate_up, gate_up_types, down and down_types need one entry per expert");
+  TORCH_CHECK(weights.dim() == 1 && weights.numel() == k && weights.scalar_type() == torch::kFloat32,
+              "gguf_experts_token: weights must be float32 [k] (k = ", k, ")");
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> types;
+  int64_t rows = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    TORCH_CHECK(gate_up[j].size() == gate_up_types[j].size(), "gguf_experts_token: expert ", j, "'s gate/up needs one type per part");
+    int64_t n = 0;
+    for (size_t i = 0; i < gate_up[j].size(); ++i) {
+      parts.push_back(gate_up[j][i]);
+      types.push_back(gate_up_types[j][i]);
+      n += gate_up[j][i].size(0);
+    }
+    TORCH_CHECK(rows < 0 || n == rows, "gguf_experts_token: the experts' gate/up projections differ in rows (", n, " and ", rows, ")");
+    rows = n;
+  }
+  TORCH_CHECK(rows % 2 == 0, "gguf_experts_token: a gate/up projection has an odd number of rows (", rows, ")");
+  const auto fused = gguf_linear(x, parts, types, k * rows).view({k, rows});
+  const auto act = gelu ? gelu_tanh_mul(fused) : silu_mul(fused);
+  auto out = torch::zeros_like(x);
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t n = 0;
+    for (const auto& p : down[j]) n += p.size(0);
+    TORCH_CHECK(n == x.size(1), "gguf_experts_token: expert ", j, "'s down projection has ", n, " rows, not H = ", x.size(1));
+    out.add_(gguf_linear(act.narrow(0, j, 1), down[j], down_types[j], n) * weights[j]);
+  }
+  return out;
+}

@@ -19,6 +19,9 @@ void quantize_into(torch::Tensor x, torch::Tensor slots, torch::Tensor values, t
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor q4_linear(torch::Tensor x, torch::Tensor tiles, int64_t n);
 torch::Tensor gguf_linear(torch::Tensor x, std::vector<torch::Tensor> parts, std::vector<int64_t> types, int64_t n);
+torch::Tensor gguf_experts_token(torch::Tensor x, std::vector<std::vector<torch::Tensor>> gate_up,
+                                 std::vector<std::vector<int64_t>> gate_up_types, std::vector<std::vector<torch::Tensor>> down,
+                                 std::vector<std::vector<int64_t>> down_types, torch::Tensor weights, bool gelu);
 torch::Tensor gguf_dequantize_rows(torch::Tensor blocks, int64_t type, torch::Tensor ids, int64_t k);
 std::vector<int64_t> gguf_native_types();
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor scale, int64_t block_n, int64_t block_k);

@@ -7,7 +7,8 @@ pairs are sorted by expert, and each expert that received tokens multiplies all 
 one call of its own layers; an expert no token chose is not touched, so a decode step reads only
 the chosen experts' weights (the reason an MoE decodes faster than a dense model of its size).
 A single token (a batch-1 decode step) skips the grouping and runs its k experts one after
-another, added in the same order.
+another, added in the same order; where they are all GGUF blocks, in one C++ call
+(``gguf_experts_token``) that computes the same sum to the bit.
 
 Every expert is a ``nn.Linear`` pair (fused gate/up, then down), so weight quantization
 (``--quantization``), stored checkpoint formats and the CPU kernels apply to experts as to any
@@ -27,6 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixlm.kernels.cpu_ext import cpu_kernels
+from radixlm.runtime.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from radixlm.runtime.layers.gguf_linear import GGUFLinear
 from radixlm.runtime.layers.moe_router import Router, RouterSpec
 
 if TYPE_CHECKING:
@@ -47,6 +51,16 @@ class ExpertMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, projected back to the hidden size."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def gguf_blocks(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int]] | None:
+        """Gate/up and down as GGUF row parts and types, where both are GGUF blocks without a bias and the
+        activation is one the C++ kernels have; else None."""
+        up, down = self.gate_up_proj, self.down_proj
+        if not (isinstance(up, GGUFLinear) and isinstance(down, GGUFLinear) and up.bias is None and down.bias is None):
+            return None
+        if self.act_fn is not silu_and_mul and self.act_fn is not gelu_tanh_and_mul:
+            return None
+        return up.parts, up.types, down.parts, down.types
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
@@ -72,10 +86,30 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
 
 def _one_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """``run_experts`` for one token ``x`` ``[1, hidden]``: the same products added in the same order (ascending expert id)."""
+    chosen = sorted(zip(ids.tolist(), weights.to(x.dtype).unbind()), key=lambda pair: pair[0])
+    fused = _gguf_token(x, chosen, experts)
+    if fused is not None:
+        return fused
     out = torch.zeros_like(x)
-    for expert, weight in sorted(zip(ids.tolist(), weights.to(x.dtype).unbind()), key=lambda pair: pair[0]):
+    for expert, weight in chosen:
         out += experts[expert](x) * weight
     return out
+
+
+def _gguf_token(x: torch.Tensor, chosen: list[tuple[int, torch.Tensor]], experts: nn.ModuleList) -> torch.Tensor | None:
+    """``_one_token``'s sum in one C++ call where every chosen expert is GGUF blocks (float32 on CPU); else None."""
+    ext = cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if ext is None or not hasattr(ext, "gguf_experts_token"):
+        return None
+    blocks = [experts[e].gguf_blocks() for e, _ in chosen]
+    if any(b is None for b in blocks):
+        return None
+    gelu = experts[chosen[0][0]].act_fn is gelu_tanh_and_mul
+    if any((experts[e].act_fn is gelu_tanh_and_mul) != gelu for e, _ in chosen):
+        return None
+    return ext.gguf_experts_token(
+        x, [b[0] for b in blocks], [b[1] for b in blocks], [b[2] for b in blocks], [b[3] for b in blocks], torch.stack([w for _, w in chosen]), gelu
+    )
 
 
 class MoEBlock(nn.Module):
