@@ -312,3 +312,18 @@ def test_one_tokens_gguf_experts_take_one_call_with_the_layer_by_layer_sum(cpp_e
             expected += experts[int(ids[0, j])](x) * weights[0, j]
     assert calls == [1]
     assert torch.equal(got, expected)
+
+
+def test_the_one_call_experts_refuse_bad_inputs_by_name(cpp_ext):
+    part = torch.from_numpy(np.ascontiguousarray(quantize(np.ones((64, 32), np.float32), "Q8_0")))
+    down = torch.from_numpy(np.ascontiguousarray(quantize(np.ones((32, 32), np.float32), "Q8_0")))
+    x, w = torch.randn(1, 32), torch.ones(1)
+    cases = [
+        ((torch.randn(2, 32), [[part]], [[8]], [[down]], [[8]], w), "x must be one float32 CPU row"),
+        ((x, [[part]], [[8]], [[down], [down]], [[8], [8]], w), "one entry per expert"),
+        ((x, [[part]], [[8]], [[down]], [[8]], torch.ones(2)), "weights must be float32 [k]"),
+        ((x, [[part]], [[8]], [[part]], [[8]], w), "down projection has 64 rows, not H = 32"),
+    ]
+    for args, reason in cases:
+        with pytest.raises(RuntimeError, match=re.escape(reason)):
+            cpp_ext.gguf_experts_token(*args)
