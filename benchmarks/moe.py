@@ -33,19 +33,18 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import families  # noqa: E402
+from checkpoints import quantize  # noqa: E402
 from peers.servers import LLAMA_SERVER  # noqa: E402
 from report import machine  # noqa: E402
 
 WORK = families.PEERS_DIR / "moe"
 DEFAULT_OUT = Path(__file__).parent / "results" / "moe.md"
-QUANTIZE = LLAMA_SERVER.parent / "llama-quantize"
 FAMILY = "qwen3_moe"
 ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # llama.cpp's merged routed-expert tensors
 
@@ -59,8 +58,6 @@ def bandwidth(threads: int) -> dict:
     x.sum()
     return {"bytes_per_s": x.nbytes / families.best_of(5, x.sum)}
 
-
-CHILDREN = {**families.CHILDREN, "bandwidth": bandwidth}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +94,6 @@ def token_bytes(path: Path) -> TokenBytes:
     return TokenBytes(moe=dense - routed + routed * k // e, dense=dense, routed=routed, chosen=k, experts=e)
 
 
-def quantize(source: Path, out: Path, qtype: str) -> None:
-    """``source`` (GGUF) as ``qtype`` by llama-quantize."""
-    proc = subprocess.run([str(QUANTIZE), str(source), str(out), qtype], capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(families._last_error(proc.stderr + proc.stdout))
-
-
 def model_files(args: argparse.Namespace) -> tuple[Path, Path, dict]:
     """The HF folder and the GGUF file measured (built once, kept), and the build's figures."""
     folder = WORK / ("quick" if args.quick else f"layers{args.layers}")
@@ -135,7 +125,7 @@ def build(family: str, quick: bool, folder: str, threads: int, layers: int) -> d
     return families.build(family, quick, folder, threads)
 
 
-CHILDREN["build"] = build
+CHILDREN = {**families.CHILDREN, "bandwidth": bandwidth, "build": build}
 
 
 def main() -> None:
@@ -174,7 +164,7 @@ def main() -> None:
     write_report(args, work, hf, gguf, built, tb, bw, results, time.perf_counter() - start)
 
 
-def write_report(args, work, hf: Path, gguf: Path, built: dict, tb: TokenBytes, bw: float, results: dict, seconds: float) -> None:
+def write_report(args: argparse.Namespace, work: families.Workload, hf: Path, gguf: Path, built: dict, tb: TokenBytes, bw: float, results: dict, seconds: float) -> None:
     """The results file."""
     fam = families.FAMILIES[FAMILY]
     size = gguf.stat().st_size

@@ -52,15 +52,16 @@ class ExpertMLP(nn.Module):
         """act(gate) * up, projected back to the hidden size."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
-    def gguf_blocks(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int]] | None:
-        """Gate/up and down as GGUF row parts and types, where both are GGUF blocks without a bias and the
-        activation is one the C++ kernels have; else None."""
+    def gguf_blocks(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor], list[int], bool] | None:
+        """Gate/up and down as GGUF row parts and types, and whether the activation is GELU-tanh (else
+        SiLU), where both are GGUF blocks without a bias and the activation is one the C++ kernels
+        have; else None."""
         up, down = self.gate_up_proj, self.down_proj
         if not (isinstance(up, GGUFLinear) and isinstance(down, GGUFLinear) and up.bias is None and down.bias is None):
             return None
         if self.act_fn is not silu_and_mul and self.act_fn is not gelu_tanh_and_mul:
             return None
-        return up.parts, up.types, down.parts, down.types
+        return up.parts, up.types, down.parts, down.types, self.act_fn is gelu_tanh_and_mul
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
@@ -86,30 +87,29 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
 
 def _one_token(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """``run_experts`` for one token ``x`` ``[1, hidden]``: the same products added in the same order (ascending expert id)."""
-    chosen = sorted(zip(ids.tolist(), weights.to(x.dtype).unbind()), key=lambda pair: pair[0])
-    fused = _gguf_token(x, chosen, experts)
+    chosen = ids.tolist()
+    order = sorted(range(len(chosen)), key=chosen.__getitem__)
+    chosen = [chosen[j] for j in order]
+    scale = weights.to(x.dtype)[order]
+    fused = _gguf_token(x, chosen, scale, experts)
     if fused is not None:
         return fused
     out = torch.zeros_like(x)
-    for expert, weight in chosen:
-        out += experts[expert](x) * weight
+    for j, expert in enumerate(chosen):
+        out += experts[expert](x) * scale[j]
     return out
 
 
-def _gguf_token(x: torch.Tensor, chosen: list[tuple[int, torch.Tensor]], experts: nn.ModuleList) -> torch.Tensor | None:
+def _gguf_token(x: torch.Tensor, chosen: list[int], scale: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor | None:
     """``_one_token``'s sum in one C++ call where every chosen expert is GGUF blocks (float32 on CPU); else None."""
     ext = cpu_kernels() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if ext is None or not hasattr(ext, "gguf_experts_token"):
         return None
-    blocks = [experts[e].gguf_blocks() for e, _ in chosen]
+    blocks = [experts[e].gguf_blocks() for e in chosen]
     if any(b is None for b in blocks):
         return None
-    gelu = experts[chosen[0][0]].act_fn is gelu_tanh_and_mul
-    if any((experts[e].act_fn is gelu_tanh_and_mul) != gelu for e, _ in chosen):
-        return None
-    return ext.gguf_experts_token(
-        x, [b[0] for b in blocks], [b[1] for b in blocks], [b[2] for b in blocks], [b[3] for b in blocks], torch.stack([w for _, w in chosen]), gelu
-    )
+    up, up_types, down, down_types, gelu = zip(*blocks)
+    return ext.gguf_experts_token(x, list(up), list(up_types), list(down), list(down_types), scale, gelu[0])
 
 
 class MoEBlock(nn.Module):
