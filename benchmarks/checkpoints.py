@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import os
 import random
@@ -55,7 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).parent.parent / "tests"))  # the test-side AWQ packer
 from families import child, convert  # noqa: E402
-from peers.servers import LLAMA_SERVER, PEERS_DIR, free_port  # noqa: E402
+from peers.servers import LLAMA_SERVER, PEERS_DIR, llama_server_on  # noqa: E402
 from report import machine, write  # noqa: E402
 
 QUANTIZE = LLAMA_SERVER.parent / "llama-quantize"
@@ -194,20 +193,20 @@ def measure_one(path: str, threads: int, peer: bool) -> dict:
     if peer:
         import httpx
 
-        with llama_server(Path(path), threads) as (base, _), httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(32) as pool:
+        with llama_server_on(Path(path), threads, warmup=False) as server, httpx.Client(timeout=600) as client, concurrent.futures.ThreadPoolExecutor(32) as pool:
             body = {"prompt": PROMPT, "n_predict": 128, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
 
             def one(i: int, n: int) -> None:
-                client.post(base + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": n})
+                client.post(server.base_url + "/completion", json={**body, "prompt": PROMPT + [300 + i], "n_predict": n})
 
             def theirs32() -> float:
                 start = time.perf_counter()
                 list(pool.map(one, range(32), [64] * 32))
                 return 32 * 64 / (time.perf_counter() - start)
 
-            client.post(base + "/completion", json={**body, "n_predict": 8})  # warm-ups
+            client.post(server.base_url + "/completion", json={**body, "n_predict": 8})  # warm-ups
             list(pool.map(one, range(32), [4] * 32))
-            pairs = [(ours(), client.post(base + "/completion", json=body).json()["timings"]["predicted_per_second"]) for _ in range(PAIRS)]
+            pairs = [(ours(), client.post(server.base_url + "/completion", json=body).json()["timings"]["predicted_per_second"]) for _ in range(PAIRS)]
             pairs32 = [(ours32(), theirs32()) for _ in range(PAIRS_32)]
         for name, runs in (("batch1", pairs), ("batch32", pairs32)):
             result[name] = statistics.median(a for a, _ in runs)
@@ -271,40 +270,14 @@ def discordant(ours: list[list[int]], theirs: list[list[int]], ref: list[list[in
 # ---------------------------------------------------------------- llama.cpp
 
 
-@contextlib.contextmanager
-def llama_server(path: Path, threads: int):
-    """llama-server on ``path`` with ``threads`` threads, 32 slots, on loopback; yields (its base URL, its pid) once healthy."""
-    import httpx
-
-    port = free_port()
-    cmd = [str(LLAMA_SERVER), "-m", str(path), "-t", str(threads), "-tb", str(threads), "--parallel", "32", "-c", "16384", "--port", str(port), "--host", "127.0.0.1", "--no-warmup"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=PEERS_DIR)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server on {path.name} did not become healthy (exit {proc.returncode})")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield base, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
-
 def llama_cpp(path: Path, threads: int, seqs: list[list[int]]) -> dict:
     """llama-server on ``path``: resident memory after load and its top tokens along ``seqs``."""
     import httpx
 
-    with llama_server(path, threads) as (base, pid), httpx.Client(timeout=600) as client:
-        resident = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("VmRSS"))
+    with llama_server_on(path, threads, warmup=False) as server, httpx.Client(timeout=600) as client:
+        resident = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines() if line.startswith("VmRSS"))
         greedy = {"n_predict": 1, "temperature": 0, "cache_prompt": True, "return_tokens": True}
-        top = [[client.post(base + "/completion", json={**greedy, "prompt": s[:j]}).json()["tokens"][0] for j in range(1, len(s))] for s in seqs]
+        top = [[client.post(server.base_url + "/completion", json={**greedy, "prompt": s[:j]}).json()["tokens"][0] for j in range(1, len(s))] for s in seqs]
     return {"rss": resident, "tops": top}
 
 

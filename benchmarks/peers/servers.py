@@ -6,11 +6,13 @@ filled (``PEERS_DIR``, default ``~/.cache/radixlm/peers``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +62,8 @@ def _spawn(name: str, cmd: list[str], env: dict | None, port: int, config: str, 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}; see {log}")
+            tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+            raise RuntimeError(f"{name} exited with {proc.returncode} ({tail[0].strip()[:200] if tail else 'no output'}); see {log}")
         try:
             if httpx.get(base + health, timeout=2).status_code == 200:
                 return Launched(name, base, proc, log, config, extra_body or {})
@@ -87,6 +90,20 @@ def start(name: str, threads: int = 2, radixlm_args: tuple[str, ...] = ()) -> La
         env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": str(threads)}
         return _spawn(name, [str(VLLM_PYTHON), *args], env, port, "vllm (CPU build) fp32, prefix caching", "/v1/models", 900)
     raise ValueError(f"unknown system {name!r}")
+
+
+@contextlib.contextmanager
+def llama_server_on(model: Path, threads: int, slots: int = 32, context: int = 16384, warmup: bool = True) -> Iterator[Launched]:
+    """llama-server on the GGUF file ``model`` (``slots`` parallel sequences sharing ``context``
+    tokens) on loopback, yielded once healthy and stopped after."""
+    port = free_port()
+    args = ["-m", str(model), "-t", str(threads), "-tb", str(threads), "--parallel", str(slots), "-c", str(context), "--port", str(port), "--host", "127.0.0.1"]
+    server = _spawn("llama.cpp", [str(LLAMA_SERVER), *args, *([] if warmup else ["--no-warmup"])], None, port, "llama-server " + " ".join(args[2:-4]), "/health", 600)
+    try:
+        yield server
+    finally:
+        stop(server)
+        server.log.unlink(missing_ok=True)
 
 
 def stop(server: Launched) -> None:
