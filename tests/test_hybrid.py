@@ -104,6 +104,22 @@ def test_hybrid_greedy_matches_transformers(arch, scenario, hybrid_dirs, referen
         assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], "no draft was rejected: the state roll-back went untested"
 
 
+def test_hybrid_greedy_with_a_separate_draft_model_matches_transformers(hybrid_dirs, references, tmp_path):
+    """An attention-only draft model proposes for a hybrid target: the target verifies its drafts
+    and keeps the state of the accepted prefix only, so the output is the target's own."""
+    draft = make_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
+    prompts = _prompts()
+    options = {"speculative_algorithm": "draft", "speculative_draft_model_path": draft, "chunked_prefill_size": 16}
+    outputs, rt = run_scenario(hybrid_dirs["qwen3_5"], prompts, options, "staggered", max_new_tokens=20)
+    for i, (prompt, ours) in enumerate(zip(prompts, outputs)):
+        where = hf_greedy_divergence(references("qwen3_5"), prompt, ours)
+        assert where is None, f"prompt {i} ({len(prompt)} tokens) diverged from transformers at token {where}"
+    stats = rt.scheduler.speculator.stats()
+    assert stats["spec_draft_tokens"] > 0, "the draft model proposed nothing"
+    assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], "no draft was rejected: the state roll-back went untested"
+    rt.scheduler.check_accounting()
+
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}, "required": ["name", "n"]}
 
 
@@ -279,6 +295,14 @@ def test_hybrid_models_refuse_what_their_states_cannot_do_yet(hybrid_dirs):
         radixlm.Engine(model_path=path, max_total_tokens=256, tp_size=3)
     with pytest.raises(ValueError, match="kv_host_cache_gb"):
         build_parts(ServerArgs(model_path=path, max_total_tokens=256, kv_host_cache_gb=0.01))
+    with pytest.raises(ValueError, match="speculative_algorithm='draft' without speculative_draft_model_path"):
+        build_parts(ServerArgs(model_path=path, max_total_tokens=256, speculative_algorithm="draft"))
+
+
+def test_a_draft_model_with_recurrent_states_is_refused_by_name(hybrid_dirs, tmp_path):
+    target = make_tiny_model("llama", tmp_path / "target")
+    with pytest.raises(ValueError, match="speculative_draft_model_path .* linear-attention layers"):
+        build_parts(ServerArgs(model_path=target, max_total_tokens=256, speculative_algorithm="draft", speculative_draft_model_path=hybrid_dirs["qwen3_5"]))
 
 
 def test_hybrid_kv_pool_holds_only_the_attention_layers(hybrid_dirs):

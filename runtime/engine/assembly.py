@@ -69,13 +69,14 @@ def build_parts(args: ServerArgs) -> EngineParts:
 
 def _check_hybrid_options(args: ServerArgs, family: str) -> None:
     """Refuse, by name, the options a hybrid linear-attention model does not run with yet."""
-    refused = {
-        "kv_host_cache_gb / kv_disk_cache_dir": args.kv_tiers_enabled,
-        "speculative_algorithm='draft'": args.speculative_algorithm == "draft",
-    }
-    for name, chosen in refused.items():
-        if chosen:
-            raise ValueError(f"{name} does not run with a hybrid linear-attention model ({family}) yet: its recurrent states do not travel there")
+    if args.kv_tiers_enabled:
+        raise ValueError(f"kv_host_cache_gb / kv_disk_cache_dir do not run with a hybrid linear-attention model ({family}) yet: its recurrent states do not travel there")
+    if args.speculative_algorithm == "draft" and args.speculative_draft_model_path is None:
+        raise ValueError(
+            f"speculative_algorithm='draft' without speculative_draft_model_path does not run with a hybrid linear-attention model ({family}): "
+            "a self-draft would run the model's own linear-attention layers and needs states of its own; give an attention-only "
+            "draft model (speculative_draft_model_path) or use 'ngram'"
+        )
 
 
 def make_kv_tiers(args: ServerArgs, model_path: str, runner: ModelRunner) -> KVTiers:

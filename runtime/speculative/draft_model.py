@@ -83,6 +83,18 @@ def check_draft_vocabulary(draft_path: str, target_vocab_size: int, target_token
         )
 
 
+def check_draft_attention(draft_path: str) -> None:
+    """Raise ValueError naming ``speculative_draft_model_path`` when the draft keeps anything but
+    per-head KV (linear-attention states or a latent KV pool): its own pool holds only that."""
+    cfg = load_model_config(draft_path)
+    kind = "linear-attention layers (recurrent states)" if cfg.linear_layers else "latent attention (a latent KV pool)" if cfg.mla is not None else None
+    if kind is not None:
+        raise ValueError(
+            f"speculative_draft_model_path {draft_path!r}: the draft ({cfg.architecture}) has {kind}; a separate draft model "
+            "must be an attention-only model with per-head KV (Llama, Qwen2/3, Mistral, ...)"
+        )
+
+
 def _quantize(model: LlamaForCausalLM, mode: str) -> None:
     """Quantize the draft's weights, naming the option when that is impossible."""
     try:
@@ -139,6 +151,7 @@ class DraftModelProposer:
             self.context_len = runner.context_len
         else:
             path = resolve_model_path(path)
+            check_draft_attention(path)
             check_draft_vocabulary(path, runner.config.vocab_size, tokenizer)
             self.model, self.config = load_model(path, runner.dtype, self.device)
             if args.speculative_draft_quantization:
