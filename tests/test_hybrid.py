@@ -299,12 +299,6 @@ def test_hybrid_models_refuse_what_their_states_cannot_do_yet(hybrid_dirs):
         build_parts(ServerArgs(model_path=path, max_total_tokens=256, speculative_algorithm="draft"))
 
 
-def test_a_draft_model_with_recurrent_states_is_refused_by_name(hybrid_dirs, tmp_path):
-    target = make_tiny_model("llama", tmp_path / "target")
-    with pytest.raises(ValueError, match="speculative_draft_model_path .* linear-attention layers"):
-        build_parts(ServerArgs(model_path=target, max_total_tokens=256, speculative_algorithm="draft", speculative_draft_model_path=hybrid_dirs["qwen3_5"]))
-
-
 def test_hybrid_kv_pool_holds_only_the_attention_layers(hybrid_dirs):
     rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_next"], max_total_tokens=256))
     cfg = rt.runner.config

@@ -255,6 +255,14 @@ def test_a_draft_whose_vocabulary_differs_is_refused(target, draft_dirs):
             DraftModelProposer(_args(target.args.model_path, draft_dirs[name]), target.runner, target.tokenizer, target.kv)
 
 
+@pytest.mark.parametrize(("arch", "kind"), [("qwen3_5", "linear-attention layers"), ("deepseek_v2", "latent attention")])
+def test_a_draft_that_keeps_more_than_per_head_kv_is_refused_by_name(arch, kind, target, tmp_path):
+    """The draft's own pool holds per-head KV only: a hybrid or latent-attention draft is refused, not run."""
+    draft = make_tiny_model(arch, tmp_path / arch)
+    with pytest.raises(ValueError, match=f"speculative_draft_model_path .* {kind}"):
+        DraftModelProposer(_args(target.args.model_path, draft), target.runner, target.tokenizer, target.kv)
+
+
 # ------------------------------------------------------ sampling, faults, aborts
 def test_sampling_with_a_draft_returns_full_lengths_and_is_reproducible_with_a_seed(target, draft_dirs):
     proposer = DraftModelProposer(_args(target.args.model_path, draft_dirs["small"]), target.runner, target.tokenizer, target.kv)
