@@ -120,6 +120,32 @@ def test_hybrid_greedy_with_a_separate_draft_model_matches_transformers(hybrid_d
     rt.scheduler.check_accounting()
 
 
+def test_a_failing_draft_pass_on_a_hybrid_target_falls_back_to_plain_decoding(hybrid_dirs, references, tmp_path):
+    """A draft pass that raises leaves the target's states untouched: its rows decode plainly
+    that step, every request still ends with the target's own tokens, the accounting clean."""
+    draft = make_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
+    rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=4096, speculative_algorithm="draft", speculative_draft_model_path=draft))
+    proposer = rt.scheduler.speculator.model
+    real_forward, calls = proposer._forward, {"n": 0}
+
+    def flaky(rows):
+        calls["n"] += 1
+        if calls["n"] % 2 == 1:
+            raise RuntimeError("draft pass failed")
+        return real_forward(rows)
+
+    proposer._forward = flaky
+    d = Driver(rt)
+    prompts = _prompts()[:4]
+    rids = []
+    for prompt in prompts:  # one after another: a lone request speculates
+        rids.append(d.add(prompt, max_new_tokens=20, temperature=0.0, ignore_eos=True))
+        d.run()
+    assert calls["n"] >= 2, "the draft model was never asked"
+    for prompt, rid in zip(prompts, rids):
+        assert hf_greedy_divergence(references("qwen3_5"), prompt, d.results[rid].output_ids) is None
+
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}}, "required": ["name", "n"]}
 
 
