@@ -718,3 +718,39 @@ def assert_masked_greedy(hf, rt, constraint: tuple, prompt: list[int], ours: lis
         assert best == token, f"{label}: constrained token {j} is {token}, transformers' masked argmax {best}"
         assert matcher.accept(token)
     return matcher
+
+
+def decode_with_stack(model_path: str, prompts: list[list[int]], stack: bool, fail_row_of: str | None = None, **args) -> tuple[Driver, list[str], list[torch.Tensor], int]:
+    """Greedy decoding of ``prompts`` (10 tokens each) with the C++ decode stack on or off: the
+    driver, the rids, every forward's logits and how many forwards the stack ran. ``fail_row_of``:
+    the rid whose row makes every stack call it is in raise after the stack ran (states staged);
+    ``args``: more engine options."""
+    from radixlm.runtime.engine import build_parts
+    from radixlm.runtime.server_args import ServerArgs
+
+    rt = build_parts(ServerArgs(model_path=model_path, max_total_tokens=4096, disable_decode_stack=not stack, **args))
+    stacks, d = rt.runner.model.decode_stacks, Driver(rt)
+    original, ran, logits = stacks.run, [0], []
+
+    def run(x, ropes, batch):
+        out = original(x, ropes, batch)
+        ran[0] += out is not None
+        victim = next((r for r in d.sched.running if r.rid == fail_row_of), None)
+        if out is not None and victim is not None and victim.kv is not None and victim.kv.row in batch.req_rows.tolist():
+            raise RuntimeError("stack fault after staging")
+        return out
+
+    stacks.run = run
+    forward = rt.runner.forward
+    rt.runner.forward = lambda batch: logits.append(forward(batch)) or logits[-1]
+    rids = [d.add(p, rid=f"r{i}", max_new_tokens=10, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
+    d.run()
+    rt.scheduler.check_accounting()
+    return d, rids, logits, ran[0]
+
+
+def assert_same_logits(fused: list[torch.Tensor], plain: list[torch.Tensor]) -> None:
+    """Every forward's logits of two runs equal bit for bit (the decode stack's and the Python layers')."""
+    assert len(fused) == len(plain)
+    for step, (a, b) in enumerate(zip(fused, plain)):
+        assert torch.equal(a, b), f"forward {step}: the stack's logits differ by up to {(a - b).abs().max():.3g}"

@@ -180,6 +180,7 @@ FEATURES = {  # name -> each layer's options (three layers)
     "gemma3": [dict(window=6, q_norm=1e-6, k_norm=1e-6, attn_out_norm=1e-6, mlp_out_norm=1e-6, activation="gelu_tanh"), dict(rope_table=1, q_norm=1e-6, k_norm=1e-6, attn_out_norm=1e-6, mlp_out_norm=1e-6, activation="gelu_tanh")] * 2,
     "gpt_oss": [dict(window=6, sinks=SINK_LOGITS, qkv_bias=True), dict(sinks=SINK_LOGITS, qkv_bias=True)] * 2,
     "smollm3": [{}, {}, dict(rope_table=None)],
+    "output_gate": [dict(output_gate=True, q_norm=1e-6, k_norm=1e-6)] * 3,  # Qwen3-Next's gated attention
 }
 
 
@@ -205,7 +206,9 @@ class _Layer(nn.Module):
 
         self.layer_id = layer_id
         self.input_norm = norm(HIDDEN, options.get("input_eps", 1e-5))
-        self.qkv = linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, options.get("qkv_bias", False), gain=3.0)  # scores large enough to cap
+        self.gated = options.get("output_gate", False)  # each head's query rows, then its gate's
+        q_rows = HEADS * HEAD_DIM * (2 if self.gated else 1)
+        self.qkv = linear(HIDDEN, q_rows + 2 * KV_HEADS * HEAD_DIM, options.get("qkv_bias", False), gain=3.0)  # scores large enough to cap
         self.o = linear(HEADS * HEAD_DIM, HIDDEN)
         self.post_norm = norm(HIDDEN, options.get("post_eps", 1e-5))
         self.gate_up = linear(HIDDEN, 2 * INTER)
@@ -224,15 +227,20 @@ class _Layer(nn.Module):
         from radixlm.runtime.layers.rope import apply_rotary
 
         residual, h = (x, self.input_norm(x)) if residual is None else self.input_norm.add_forward(x, residual)
-        q, k, v = self.qkv(h).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        q, k, v = q.view(-1, HEADS, HEAD_DIM), k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
+        q, k, v = self.qkv(h).split([HEADS * HEAD_DIM * (2 if self.gated else 1), KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.reshape(-1, HEADS, 2 * HEAD_DIM).chunk(2, dim=-1)
+            gate = gate.reshape(-1, HEADS * HEAD_DIM)
+        q, k, v = q.reshape(-1, HEADS, HEAD_DIM), k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, HEAD_DIM)).view(q.shape)
         if self.k_norm is not None:
             k = self.k_norm(k.reshape(-1, HEAD_DIM)).view(k.shape)
         if self.rope_table is not None:
             q, k = apply_rotary(q, k, ropes[self.rope_table])
-        a = self.o(batch.attn_backend.forward(q, k, v, self.layer_id, batch, self.spec))
+        a = batch.attn_backend.forward(q, k, v, self.layer_id, batch, self.spec)
+        a = self.o(a if gate is None else a * torch.sigmoid(gate))
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)
         residual, h = self.post_norm.add_forward(a, residual)
@@ -246,7 +254,7 @@ class _Layer(nn.Module):
         return StackLayer(
             HEADS, KV_HEADS, HEAD_DIM, self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down,
             attention=self.spec, q_norm=self.q_norm, k_norm=self.k_norm, rope_table=self.rope_table,
-            attn_out_norm=self.attn_out_norm, mlp_out_norm=self.mlp_out_norm, activation=self.activation,
+            attn_out_norm=self.attn_out_norm, mlp_out_norm=self.mlp_out_norm, activation=self.activation, output_gate=self.gated,
         )  # fmt: skip
 
 
@@ -334,7 +342,7 @@ def test_the_stack_computes_the_new_families_over_a_converted_pool(cpp_ext, feat
     _assert_same(stack, python, f"{feature}, {kv_format} KV", ALONE_ROWS)
 
 
-@pytest.mark.parametrize("feature", [f for f in FEATURES if f not in ("llama", "gemma2", "gemma3", "gpt_oss", "smollm3")])
+@pytest.mark.parametrize("feature", [f for f in FEATURES if f not in ("llama", "gemma2", "gemma3", "gpt_oss", "smollm3", "output_gate")])
 def test_each_layer_feature_changes_the_step(cpp_ext, feature):
     """The features are not no-ops in these tiny layers, so the tests above would see one dropped."""
     plain, _ = _step(_tiny_layers("llama"), "auto", STEP_ROWS, STEP_PREFIX, STEP_EXTEND)
@@ -346,9 +354,11 @@ def test_each_layer_feature_changes_the_step(cpp_ext, feature):
     assert not torch.allclose(plain[0], with_feature[0], atol=1e-4)
 
 
-def test_rope_over_part_of_the_head_keeps_the_python_path(cpp_ext):
-    stack, python = _step(_tiny_layers("llama"), "auto", STEP_ROWS, STEP_PREFIX, STEP_EXTEND, rotary_dim=HEAD_DIM // 2)
-    assert stack is None and python is not None
+def test_rope_over_part_of_the_head_rotates_as_the_python_path_does(cpp_ext):
+    stack, python = _step(_tiny_layers("q_k_norms"), "auto", STEP_ROWS, STEP_PREFIX, STEP_EXTEND, rotary_dim=HEAD_DIM // 2)
+    _assert_same(stack, python, "partial rotary")
+    whole, _ = _step(_tiny_layers("q_k_norms"), "auto", STEP_ROWS, STEP_PREFIX, STEP_EXTEND)
+    assert not torch.allclose(whole[0], stack[0], atol=1e-4)  # the rotary width reached the step
 
 
 def test_one_rope_table_may_be_passed_alone(cpp_ext):

@@ -28,7 +28,14 @@ import pytest
 import torch
 from gguf_files import hybrid_gguf_layout, metadata_gguf, write_hybrid_gguf
 
-from helpers import hf_greedy_divergence, load_hf_model, make_tiny_model, run_scenario
+from helpers import (
+    assert_same_logits,
+    decode_with_stack,
+    hf_greedy_divergence,
+    load_hf_model,
+    make_tiny_model,
+    run_scenario,
+)
 from radixlm.runtime.checkpoints.gguf import gguf_hf_config
 from radixlm.runtime.layers.gguf_linear import GGUFLinear
 
@@ -244,6 +251,19 @@ RULES = {
     "qwen3next: the shared expert's width": ("qwen3next", {**SSM, "expert_count": 4, "expert_used_count": 2, "expert_shared_feed_forward_length": 96}, 4,
                                              {"shared_expert_intermediate_size": 96, "num_experts": 4, "mlp_only_layers": [], "norm_topk_prob": True}),
 }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["qwen35moe", "qwen3next"])
+def test_the_decode_stack_runs_hybrid_experts_and_their_shared_expert_as_the_python_path_does(gguf_of, hf_folders, case, cpp_ext):
+    """Gated DeltaNet layers with routed experts and a gated shared expert (Qwen3.5-MoE, Qwen3-Next)
+    from a Q8_0 file in the fused C++ decode stack: one row and several give the Python layers'
+    logits bit for bit."""
+    path = gguf_of(case, "Q8_0")
+    for prompts in ([[5, 17, 33, 40, 8]], [[5, 17, 33, 40, 8], [101, 7, 250, 12], [9, 300, 64]]):
+        _, _, fused, ran = decode_with_stack(path, prompts, True, tokenizer_path=hf_folders[case])
+        _, _, plain, ran_plain = decode_with_stack(path, prompts, False, tokenizer_path=hf_folders[case])
+        assert ran >= 9 and ran_plain == 0
+        assert_same_logits(fused, plain)
 
 
 @pytest.mark.parametrize("case", list(RULES))

@@ -18,7 +18,13 @@ import torch
 from gguf_files import EXPERT_LAYOUTS, dequantize, metadata_gguf, quantize, write_family_gguf
 
 import radixlm
-from helpers import hf_greedy_divergence, load_hf_model, make_tokenizer
+from helpers import (
+    assert_same_logits,
+    decode_with_stack,
+    hf_greedy_divergence,
+    load_hf_model,
+    make_tokenizer,
+)
 from radixlm.runtime.checkpoints import open_checkpoint
 from radixlm.runtime.checkpoints.gguf import gguf_hf_config
 from radixlm.runtime.layers.gguf_linear import GGUFLinear, GGUFWeight
@@ -230,6 +236,18 @@ def test_the_engine_on_the_gguf_decodes_transformers_greedy_tokens(gguf_of, hf_f
     original = load_hf_model(hf_folders[family])
     for prompt, output in zip(PROMPTS, outputs):
         assert len(output) == 12 and hf_greedy_divergence(original, prompt, output) is None, (prompt, output)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_decode_stack_runs_gguf_experts_as_the_python_path_does(cpp_ext, hf_folders, tmp_path, family):
+    """Routed experts stored as GGUF blocks in the fused C++ decode stack: one row (its chosen
+    experts in one call) and two rows (grouped by expert) give the Python layers' logits bit for bit."""
+    path = str(write_family_gguf(hf_folders[family], tmp_path / "experts.gguf", lambda n: "Q8_0" if "_exps" in n else "F32"))
+    for prompts in ([PROMPTS[0]], PROMPTS):
+        _, _, fused, ran = decode_with_stack(path, prompts, True, tokenizer_path=hf_folders[family])
+        _, _, plain, ran_plain = decode_with_stack(path, prompts, False, tokenizer_path=hf_folders[family])
+        assert ran >= 9 and ran_plain == 0
+        assert_same_logits(fused, plain)
 
 
 def test_every_layout_is_written():

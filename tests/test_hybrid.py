@@ -22,6 +22,8 @@ from helpers import (
     HYBRID_ARCHS,
     Driver,
     assert_masked_greedy,
+    assert_same_logits,
+    decode_with_stack,
     hf_greedy_divergence,
     load_hf_model,
     make_tiny_model,
@@ -534,3 +536,32 @@ def test_snapshots_that_fail_cost_only_the_reuse_and_a_failed_restore_only_its_r
     rt.scheduler.check_accounting()
     again = _generate(d, prompt)
     assert again.meta_info["cached_tokens"] > 0 and hf_greedy_divergence(hf, prompt, again.output_ids) is None
+
+
+
+@pytest.mark.parametrize("rows", [2, 6])  # within the state pool's spare slots, and past them (the scratch states)
+def test_the_decode_stack_runs_hybrid_layers_as_the_python_path_does(cpp_ext, hybrid_dirs, references, rows):
+    """Qwen3.5's Gated DeltaNet layers and gated, partially rotated attention in the fused C++
+    decode stack: the logits of every forward equal the Python layers' bit for bit, and the
+    states it stages carry each request to transformers' tokens."""
+    prompts = _prompts()[:rows]
+    d, rids, fused, ran = decode_with_stack(hybrid_dirs["qwen3_5"], prompts, True)
+    _, _, plain, ran_plain = decode_with_stack(hybrid_dirs["qwen3_5"], prompts, False)
+    assert ran >= 9 and ran_plain == 0
+    assert_same_logits(fused, plain)
+    for prompt, rid in zip(prompts, rids):
+        assert hf_greedy_divergence(references("qwen3_5"), prompt, d.results[rid].output_ids) is None
+
+
+def test_a_hybrid_decode_stack_that_raises_fails_only_its_request(cpp_ext, hybrid_dirs, references):
+    """A stack call that raises after its layers staged new states: the pass is split and re-run
+    from the committed states, the request it computes fails alone, and the others still get
+    transformers' tokens."""
+    prompts = _prompts()[:3]
+    d, rids, _, ran = decode_with_stack(hybrid_dirs["qwen3_5"], prompts, True, fail_row_of="r1")
+    assert ran > 0
+    assert d.results["r1"].meta_info["finish_reason"]["type"] == "abort"
+    assert "stack fault" in d.results["r1"].meta_info["finish_reason"]["message"]
+    for prompt, rid in zip(prompts, rids):
+        if rid != "r1":
+            assert hf_greedy_divergence(references("qwen3_5"), prompt, d.results[rid].output_ids) is None

@@ -167,8 +167,12 @@ def _heads(seed: int, tokens: int, heads: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", ["longrope", "yarn_partial"])
-def test_partial_rotary_equals_transformers_phi3_apply_rotary_pos_emb(case, monkeypatch):
-    monkeypatch.setattr(rope, "cpu_kernels", lambda: pytest.fail("the C++ kernel rotates whole heads only"))
+@pytest.mark.parametrize("kernel", ["pytorch", "cpp"])  # the C++ kernel rotates the first dims (the decode stack calls it so)
+def test_partial_rotary_equals_transformers_phi3_apply_rotary_pos_emb(case, kernel, request, monkeypatch):
+    if kernel == "cpp":
+        request.getfixturevalue("cpp_ext")
+    else:
+        monkeypatch.setattr(rope, "cpu_kernels", lambda: None)
     config = CONFIGS[case]()
     rotary = _ours(config)
     assert rotary.rotary_dim < HEAD_DIM

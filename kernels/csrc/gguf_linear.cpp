@@ -105,7 +105,8 @@ std::vector<int64_t> gguf_native_types() {
 // with GGUFLinear experts, in one call: out = 0, then out += down_j(act(gate_up_j(x))) * weights[j]
 // for j in the order given (ascending expert id). The k gate/up projections share x, so they run
 // as one gguf_linear over all their parts (each row's sums do not depend on the others), the
-// activation over the k rows at once; then each expert's down projection of its own row. x [1, H]
+// activation over the k rows at once; then each expert's down projection of its own row, all k
+// in one parallel range (one fork and join, not k). x [1, H]
 // float32; gate_up[j], down[j]: expert j's row parts (uint8 blocks) with their types; weights [k]
 // float32; gelu: GELU-tanh instead of SiLU. Returns [1, H].
 torch::Tensor gguf_experts_token(torch::Tensor x, std::vector<std::vector<torch::Tensor>> gate_up,
@@ -135,13 +136,46 @@ torch::Tensor gguf_experts_token(torch::Tensor x, std::vector<std::vector<torch:
   }
   TORCH_CHECK(rows % 2 == 0, "gguf_experts_token: a gate/up projection has an odd number of rows (", rows, ")");
   const auto fused = gguf_linear(x, parts, types, k * rows).view({k, rows});
-  const auto act = gelu ? gelu_tanh_mul(fused) : silu_mul(fused);
-  auto out = torch::zeros_like(x);
+  const auto act = (gelu ? gelu_tanh_mul(fused) : silu_mul(fused)).contiguous();
+  // the k down projections, each of its own row of act, in one parallel range over their k * H
+  // output rows: each row quantized alone (as gguf_linear quantizes a one-row input), so every
+  // output is the one gguf_linear(act[j], down[j]) gives
+  using namespace radixlm;
+  const int64_t h = x.size(1), inter = act.size(1);
+  std::vector<std::vector<int64_t>> offsets(k);
   for (int64_t j = 0; j < k; ++j) {
-    int64_t n = 0;
-    for (const auto& p : down[j]) n += p.size(0);
-    TORCH_CHECK(n == x.size(1), "gguf_experts_token: expert ", j, "'s down projection has ", n, " rows, not H = ", x.size(1));
-    out.add_(gguf_linear(act.narrow(0, j, 1), down[j], down_types[j], n) * weights[j]);
+    TORCH_CHECK(down[j].size() == down_types[j].size() && !down[j].empty(), "gguf_experts_token: expert ", j, "'s down needs one type per part");
+    offsets[j].push_back(0);
+    for (size_t i = 0; i < down[j].size(); ++i) {
+      const auto [bw, bb] = checked_shape("gguf_experts_token", down_types[j][i]);
+      auto& p = down[j][i];
+      TORCH_CHECK(p.device().is_cpu() && p.dim() == 2 && p.scalar_type() == torch::kUInt8 && inter % bw == 0 &&
+                      p.size(1) == inter / bw * bb,
+                  "gguf_experts_token: expert ", j, "'s down part ", i, " must be uint8 blocks of rows of ", inter, " weights");
+      p = p.contiguous();
+      offsets[j].push_back(offsets[j].back() + p.size(0));
+    }
+    TORCH_CHECK(offsets[j].back() == h, "gguf_experts_token: expert ", j, "'s down projection has ", offsets[j].back(),
+                " rows, not H = ", h);
   }
+  const int64_t row_scratch = (gguf::scratch_bytes(1, inter) + 63) / 64 * 64;  // each row's quantized copy 64-byte aligned
+  auto scratch = torch::empty({k * row_scratch}, x.options().dtype(torch::kUInt8));
+  uint8_t* sp = scratch.data_ptr<uint8_t>();
+  const float* ap = act.data_ptr<float>();
+  for (int64_t j = 0; j < k; ++j) gguf::quantize_into(ap + j * inter, 1, inter, sp + j * row_scratch);
+  auto ys = torch::empty({k, h}, x.options());
+  float* yp = ys.data_ptr<float>();
+  at::parallel_for(0, k * h, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin / h; j < k && j * h < end; ++j) {
+      for (size_t i = 0; i + 1 < offsets[j].size(); ++i) {
+        const int64_t lo = std::max(begin - j * h, offsets[j][i]), hi = std::min(end - j * h, offsets[j][i + 1]);
+        if (lo >= hi) continue;
+        gguf::matmul_rows(static_cast<int>(down_types[j][i]), down[j][i].data_ptr<uint8_t>(), lo - offsets[j][i],
+                          hi - offsets[j][i], sp + j * row_scratch, 1, inter, yp + j * h + offsets[j][i], h);
+      }
+    }
+  });
+  auto out = torch::zeros_like(x);
+  for (int64_t j = 0; j < k; ++j) out.add_(ys.narrow(0, j, 1) * weights[j]);
   return out;
 }

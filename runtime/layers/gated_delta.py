@@ -29,7 +29,10 @@ the steps before it are one C++ call too (``gated_delta_prepare``: the convoluti
 states read in place, SiLU, the q/k norms, g and beta), and a pass of decode rows only ends in
 the C++ output norm (``gated_rms_norm``): some twenty small tensor operations a layer, each
 costing more in dispatch than in arithmetic at batch 1;
-``delta_rule_recurrent`` is the reference they match and the path everywhere else.
+``delta_rule_recurrent`` is the reference they match and the path everywhere else. A pass of
+decode rows alone usually never reaches ``forward``: the fused decode stack
+(``radixlm.runtime.layers.decode_stack``) calls the same three kernels for every layer of the
+step in one C++ call, and stages the new states through ``stage_decode`` afterwards.
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ class GatedDeltaNet(nn.Module):
                 target, slots = pool.decode_targets(self.state_layer, nd)
                 out, states = step(q, k, v, g[:nd], beta[:nd], source, rows, target, slots)  # the new states in target's slots (row i's at i without them)
                 outs.append(out)
-                self._stage_decode(pool, window[:, :, 1:], states, slots)
+                self.stage_decode(pool, window[:, :, 1:], states, slots)
             else:
                 out, states = self._recur(conv.unsqueeze(1), g[:nd].unsqueeze(1), beta[:nd].unsqueeze(1), state[:nd])
                 outs.append(out[:, 0])
@@ -295,10 +298,10 @@ class GatedDeltaNet(nn.Module):
         source, rows = pool.in_place(self.state_layer, nd)
         target, slots = pool.decode_targets(self.state_layer, nd)
         out, states = step(q, k, v, g, beta, source, rows, target, slots)
-        self._stage_decode(pool, tails, states, slots)
+        self.stage_decode(pool, tails, states, slots)
         return out
 
-    def _stage_decode(self, pool, tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | None) -> None:
+    def stage_decode(self, pool, tails: torch.Tensor, states: torch.Tensor, slots: torch.Tensor | None) -> None:
         """Stage each decode row's new conv tail (``tails[i]``) and the new state the kernel wrote
         (at ``slots[i]`` of ``states``, or at ``i`` without slots)."""
         at = range(tails.shape[0]) if slots is None else slots.tolist()

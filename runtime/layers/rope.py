@@ -293,12 +293,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, tor
     """Rotate the first ``rotary_dim`` dims of ``q`` ``[T, H, D]`` and ``k`` ``[T, Hkv, D]`` with a ``RotaryEmbedding.table``."""
     cos, sin = rope
     rotary_dim = 2 * cos.shape[-1]
+    ext = cpu_kernels() if q.device.type == "cpu" else None
+    if ext is not None:  # the C++ kernel (the decode stack rotates with it too: the same values to the bit)
+        cos2, sin2 = cos.reshape(cos.shape[0], cos.shape[-1]), sin.reshape(sin.shape[0], sin.shape[-1])
+        if rotary_dim == q.shape[-1]:
+            return ext.rope(q, cos2, sin2), ext.rope(k, cos2, sin2)
+        return tuple(torch.cat((ext.rope(x[..., :rotary_dim], cos2, sin2), x[..., rotary_dim:]), dim=-1) for x in (q, k))
     if rotary_dim != q.shape[-1]:
         return _rotate_partial(q, cos, sin, rotary_dim), _rotate_partial(k, cos, sin, rotary_dim)
-    ext = cpu_kernels() if q.device.type == "cpu" else None
-    if ext is not None:
-        cos2, sin2 = cos.reshape(cos.shape[0], cos.shape[-1]), sin.reshape(sin.shape[0], sin.shape[-1])
-        return ext.rope(q, cos2, sin2), ext.rope(k, cos2, sin2)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

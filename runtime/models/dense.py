@@ -33,7 +33,7 @@ from torch import nn
 
 from radixlm.runtime.layers.activation import clamped_swiglu, gelu_tanh_and_mul, silu_and_mul
 from radixlm.runtime.layers.attention_spec import AttentionSpec
-from radixlm.runtime.layers.decode_stack import DecodeStacks, StackLayer
+from radixlm.runtime.layers.decode_stack import DecodeStacks, StackDeltaLayer, StackLayer
 from radixlm.runtime.layers.forward_batch import ForwardBatch
 from radixlm.runtime.layers.gated_delta import GatedDeltaNet
 from radixlm.runtime.layers.mla import LatentAttention
@@ -166,19 +166,26 @@ class DenseDecoderLayer(nn.Module):
         residual, h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(attn), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
-    def stack_layer(self) -> StackLayer | None:
+    def stack_layer(self) -> StackLayer | StackDeltaLayer | None:
         """This layer's parts, as the fused C++ decode stack reads them (None: it has no stack form, as
-        routed experts and latent attention)."""
+        latent attention)."""
         attn, mlp = getattr(self, "self_attn", None), self.mlp
-        if not isinstance(mlp, DenseMLP) or not isinstance(attn, DenseAttention) or attn.gated:
-            return None
+        dense = isinstance(mlp, DenseMLP)
+        gate_up, down, activation = (mlp.gate_up_proj, mlp.down_proj, mlp.activation) if dense else (None, None, "silu")
+        experts = None if dense else mlp
         sandwich = self.pre_feedforward_layernorm is not None
+        if hasattr(self, "linear_attn"):
+            if sandwich:
+                return None
+            return StackDeltaLayer(self.input_layernorm, self.linear_attn, self.post_attention_layernorm, gate_up, down, activation, experts)
+        if not isinstance(attn, DenseAttention):
+            return None
         return StackLayer(
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.input_layernorm, attn.qkv_proj, attn.o_proj,
-            self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
+            self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm, gate_up, down,
             attention=attn.spec(), q_norm=attn.q_norm, k_norm=attn.k_norm, rope_table=attn.rope_table,
             attn_out_norm=self.post_attention_layernorm if sandwich else None,
-            mlp_out_norm=self.post_feedforward_layernorm, activation=mlp.activation,
+            mlp_out_norm=self.post_feedforward_layernorm, activation=activation, output_gate=attn.gated, experts=experts,
         )  # fmt: skip
 
 
