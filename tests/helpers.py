@@ -754,3 +754,17 @@ def assert_same_logits(fused: list[torch.Tensor], plain: list[torch.Tensor]) -> 
     assert len(fused) == len(plain)
     for step, (a, b) in enumerate(zip(fused, plain)):
         assert torch.equal(a, b), f"forward {step}: the stack's logits differ by up to {(a - b).abs().max():.3g}"
+
+
+def failing_every(fn: Callable, period: int, phase: int, message: str) -> tuple[Callable, dict]:
+    """``fn`` wrapped to raise ``RuntimeError(message)`` on its calls whose count modulo ``period``
+    is ``phase`` (the first call counts 1), and the counter (``{"n": calls so far}``)."""
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] % period == phase:
+            raise RuntimeError(message)
+        return fn(*args, **kwargs)
+
+    return wrapped, calls

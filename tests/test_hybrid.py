@@ -24,6 +24,7 @@ from helpers import (
     assert_masked_greedy,
     assert_same_logits,
     decode_with_stack,
+    failing_every,
     hf_greedy_divergence,
     load_hf_model,
     make_tiny_model,
@@ -128,15 +129,7 @@ def test_a_failing_draft_pass_on_a_hybrid_target_falls_back_to_plain_decoding(hy
     draft = make_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
     rt = build_parts(ServerArgs(model_path=hybrid_dirs["qwen3_5"], max_total_tokens=4096, speculative_algorithm="draft", speculative_draft_model_path=draft))
     proposer = rt.scheduler.speculator.model
-    real_forward, calls = proposer._forward, {"n": 0}
-
-    def flaky(rows):
-        calls["n"] += 1
-        if calls["n"] % 2 == 1:
-            raise RuntimeError("draft pass failed")
-        return real_forward(rows)
-
-    proposer._forward = flaky
+    proposer._forward, calls = failing_every(proposer._forward, 2, 1, "draft pass failed")
     d = Driver(rt)
     prompts = _prompts()[:4]
     rids = []

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import Driver, make_tiny_model
+from helpers import Driver, failing_every, make_tiny_model
 from radixlm.runtime.engine import build_parts
 from radixlm.runtime.server_args import ServerArgs
 from radixlm.runtime.speculative.draft_model import DraftModelProposer
@@ -293,16 +293,7 @@ def test_sampled_drafts_carry_the_law_they_were_drawn_from(target, draft_dirs):
 
 def test_a_proposal_that_raises_leaves_nothing_behind(target, draft_dirs):
     proposer = DraftModelProposer(_args(target.args.model_path, target.args.model_path), target.runner, target.tokenizer, target.kv)
-    real_forward = proposer._forward
-    calls = {"n": 0}
-
-    def flaky(rows):
-        calls["n"] += 1
-        if calls["n"] % 3 == 2:
-            raise RuntimeError("draft pass failed")
-        return real_forward(rows)
-
-    proposer._forward = flaky
+    proposer._forward, calls = failing_every(proposer._forward, 3, 2, "draft pass failed")
     base = _speculate(target, proposer, 4)
 
     def hook(step: int) -> None:

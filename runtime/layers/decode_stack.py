@@ -55,28 +55,13 @@ from radixlm.runtime.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from radixlm.runtime.layers.attention.torch_backend import TorchAttentionBackend
 from radixlm.runtime.layers.attention_spec import AttentionSpec
 from radixlm.runtime.layers.gated_delta import GatedDeltaNet
+from radixlm.runtime.layers.gguf_linear import GGUFStackWeight
 from radixlm.runtime.layers.moe import MoEBlock
 from radixlm.runtime.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from radixlm.runtime.layers.forward_batch import ForwardBatch
 
-
-
-@dataclass(frozen=True)
-class GGUFStackWeight:
-    """A weight kept as GGUF blocks, as a layer's ``decode_weight`` hands it to the stack.
-
-    ``parts[i]`` (``uint8 [n_i, row_bytes_i]``, the rows of GGUF type id ``types[i]``) stacked
-    along the rows make the ``[n, K]`` weight. The stack computes ``gguf_linear(x, parts, types,
-    n)`` and then adds ``bias`` (float32 ``[n]``, or None), so a layer whose forward computes the
-    same gets the same outputs to the bit.
-    """
-
-    parts: list[torch.Tensor]
-    types: list[int]
-    n: int
-    bias: torch.Tensor | None = None
 
 
 StackWeight = tuple[torch.Tensor, int, "torch.Tensor | None"] | GGUFStackWeight  # (Q4_1 tiles or fp32 [n, K], n, bias), or GGUF parts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -137,6 +138,23 @@ class GGUFWeight(StoredWeight):
         return dense_linear(parts, bias, device, torch.float32)
 
 
+@dataclass(frozen=True)
+class GGUFStackWeight:
+    """A weight kept as GGUF blocks, as a layer's ``decode_weight`` hands it to the stack.
+
+    ``parts[i]`` (``uint8 [n_i, row_bytes_i]``, the rows of GGUF type id ``types[i]``) stacked
+    along the rows make the ``[n, K]`` weight. The stack computes ``gguf_linear(x, parts, types,
+    n)`` and then adds ``bias`` (float32 ``[n]``, or None), so a layer whose forward computes the
+    same gets the same outputs to the bit.
+    """
+
+    parts: list[torch.Tensor]
+    types: list[int]
+    n: int
+    bias: torch.Tensor | None = None
+
+
+
 class GGUFLinear(nn.Module):
     """``y = x @ W.T (+ b)`` with W's row parts kept as GGUF blocks (each part its own type)."""
 
@@ -169,9 +187,7 @@ class GGUFLinear(nn.Module):
 
     def decode_weight(self, rows: int):
         """What the C++ decode stack computes this layer with (``radixlm.runtime.layers.decode_stack``)."""
-        from radixlm.runtime.layers import decode_stack
-
-        return decode_stack.GGUFStackWeight(self.parts, self.types, self.out_features, self.bias)
+        return GGUFStackWeight(self.parts, self.types, self.out_features, self.bias)
 
     def weight_bytes(self) -> int:
         """Bytes of the blocks a call reads."""
