@@ -565,11 +565,11 @@ class DecodeStack {
 
   // A dense MLP projection, or none (no tensors: the layer's routed experts come by set_experts).
   static std::optional<Linear> mlp_linear(std::vector<torch::Tensor> w, std::vector<int64_t> types, int64_t n, bool gate_up) {
-    if (w.empty()) return std::nullopt;
-    TORCH_CHECK(!gate_up || n % 2 == 0, "gate_up must have an even number of outputs");
-    return Linear(std::move(w), std::move(types), n);
+    TORCH_CHECK(w.empty() || !gate_up || n % 2 == 0, "gate_up must have an even number of outputs");
+    return optional_linear(std::move(w), std::move(types), n);
   }
 
+  // A linear layer, or none where it has no tensors.
   static std::optional<Linear> optional_linear(std::vector<torch::Tensor> w, std::vector<int64_t> types, int64_t n) {
     if (w.empty()) return std::nullopt;
     return Linear(std::move(w), std::move(types), n);

@@ -43,7 +43,7 @@ A layer with a sliding window attends through the attention backend's plan for t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -308,13 +308,14 @@ class _StateArgs:
 
     kwargs: dict[str, Any]
     mixers: list[GatedDeltaNet]
-    pool: Any  # the batch's StatePool
-    slots: torch.Tensor | None  # the new recurrent states' slots in the targets (None: row i at i)
+    pool: Any = None  # the batch's StatePool
+    targets: list[torch.Tensor] = field(default_factory=list)  # per layer: where the kernel writes the new recurrent states
+    slots: torch.Tensor | None = None  # the new states' slots in the targets (None: row i at i)
 
     def stage(self, tails: Sequence[torch.Tensor]) -> None:
         """Stage each decode row's new conv tail and recurrent state in every layer, as
         ``GatedDeltaNet``'s decode path does."""
-        for mixer, tail, target in zip(self.mixers, tails, self.kwargs.get("state_targets", ())):
+        for mixer, tail, target in zip(self.mixers, tails, self.targets):
             mixer.stage_decode(self.pool, tail, target, self.slots)
 
 
@@ -323,7 +324,7 @@ def _state_args(mixers: list[GatedDeltaNet], batch: ForwardBatch, rows: int) -> 
     without such layers), or None where the Python path must run it: rows other than one decode
     token each, or conv states not in float32."""
     if not mixers:
-        return _StateArgs({}, [], None, None)
+        return _StateArgs({}, [])
     pool = batch.state_pool
     if pool is None or batch.num_decode != rows or batch.batch_size != rows or pool.conv.dtype != torch.float32:
         return None
@@ -339,7 +340,7 @@ def _state_args(mixers: list[GatedDeltaNet], batch: ForwardBatch, rows: int) -> 
         targets.append(target)
     kwargs = {"conv_pools": convs, "state_pools": states, "conv_rows": conv_rows, "state_rows": state_rows,
               "state_targets": targets, "state_out_rows": slots}  # fmt: skip
-    return _StateArgs(kwargs, mixers, pool, slots)
+    return _StateArgs(kwargs, mixers, pool, targets, slots)
 
 
 def _weight_args(mixing: tuple[nn.Module, nn.Module], layer: StackLayer | StackDeltaLayer, rows: int) -> list[tuple] | None:

@@ -154,7 +154,6 @@ class GGUFStackWeight:
     bias: torch.Tensor | None = None
 
 
-
 class GGUFLinear(nn.Module):
     """``y = x @ W.T (+ b)`` with W's row parts kept as GGUF blocks (each part its own type)."""
 
