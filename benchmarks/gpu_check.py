@@ -9,9 +9,13 @@
 4. The Triton weight-only matmuls (int8, int4) at model sizes against bf16: error, and weight
    bytes read per second against the copy bandwidth; then those of pre-quantized checkpoints
    (FP8 per-channel and 128x128 blocks, int4 with zero points) at [4096, 4096].
-5. Decode steps replayed from CUDA graphs against eager ones: the same greedy text, and tok/s at
+5. The fused-MoE Triton kernels (``fused_experts``) against the grouped PyTorch experts
+   (``run_experts``) on the same weights at Qwen3-30B-A3B's expert shape (128 experts, top 8,
+   hidden 2048, intermediate 768, bf16), 1 and 32 tokens: error, µs per call, weight bytes read
+   per token and per second against the copy bandwidth.
+6. Decode steps replayed from CUDA graphs against eager ones: the same greedy text, and tok/s at
    batch 1, 8 and 32.
-6. The few-shot workload end to end (SmolLM2, 64 prompts sharing a prefix, greedy), in tok/s.
+7. The few-shot workload end to end (SmolLM2, 64 prompts sharing a prefix, greedy), in tok/s.
 
     python benchmarks/gpu_check.py [--out benchmarks/results/gpu_check.md] [--only pre-quantized]
 
@@ -201,6 +205,53 @@ def checkpoint_linear_section(device: torch.device, bandwidth: float, quick: boo
     return rows
 
 
+def moe_section(device: torch.device, bandwidth: float, quick: bool) -> list[str]:
+    """The fused-MoE Triton kernels against the grouped PyTorch experts on the same stacked bf16
+    weights: error, time, and the bytes of the chosen experts' weights read per call."""
+    if device.type != "cuda":
+        return ["(Triton kernels run on CUDA only; `tests/test_triton_moe.py` checks the fused MoE in the interpreter)"]
+    from triton.testing import do_bench
+
+    from radixlm.kernels.triton_moe import fused_experts
+    from radixlm.runtime.layers.activation import silu_and_mul
+    from radixlm.runtime.layers.moe import ExpertMLP, run_experts
+
+    experts, k, hidden, inter = (16, 2, 256, 128) if quick else (128, 8, 2048, 768)  # Qwen3-30B-A3B's experts
+    gen = torch.Generator(device=device).manual_seed(0)
+    w_gate_up = (torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    w_down = (torch.randn(experts, hidden, inter, device=device, generator=gen) * 0.02).to(torch.bfloat16)
+    with torch.device("meta"):  # run_experts' modules, their weights views of the same stacks
+        modules = torch.nn.ModuleList(ExpertMLP(hidden, inter, silu_and_mul) for _ in range(experts))
+    for e, expert in enumerate(modules):
+        expert.gate_up_proj.weight = torch.nn.Parameter(w_gate_up[e], requires_grad=False)
+        expert.down_proj.weight = torch.nn.Parameter(w_down[e], requires_grad=False)
+    per_expert = (w_gate_up[0].nbytes + w_down[0].nbytes)
+    rows = [
+        f"{experts} experts, top {k}, hidden {hidden}, intermediate {inter}, bf16: {per_expert / 1e6:.1f} MB of weights per expert. "
+        "µs per call as the host sees it (`timed`) and on the GPU (`do_bench`); weight bytes are those of the distinct experts the tokens chose, read once per call.",
+        "",
+        "| tokens | experts chosen | path | max abs error vs grouped | µs per call | µs on the GPU | weight MB per token | weight GB/s | of copy bandwidth |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tokens in (1, 4) if quick else (1, 32):
+        x = torch.randn(tokens, hidden, device=device, generator=gen).to(torch.bfloat16)
+        logits = torch.randn(tokens, experts, device=device, generator=gen)
+        weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        nbytes = ids.unique().numel() * per_expert
+        paths = {
+            "grouped PyTorch": functools.partial(run_experts, x, weights, ids, modules),
+            "fused Triton": functools.partial(fused_experts, x, w_gate_up, w_down, weights, ids, silu_and_mul),
+        }
+        with torch.inference_mode():
+            want = paths["grouped PyTorch"]().float()
+            for name, fn in paths.items():
+                error = (fn().float() - want).abs().max().item()
+                host = timed(fn, device)
+                seconds = do_bench(fn) / 1e3
+                rows.append(f"| {tokens} | {ids.unique().numel()} | {name} | {error:.2e} | {host * 1e6:.1f} | {seconds * 1e6:.1f} | {nbytes / tokens / 1e6:.1f} | {nbytes / seconds / 1e9:.0f} | {nbytes / seconds / (bandwidth / 2):.0%} |")
+    return rows
+
+
 def graph_section(device: torch.device, quick: bool) -> list[str]:
     """Decode speed and greedy text with and without CUDA graphs of the decode step (SmolLM2, side by side)."""
     if device.type != "cuda":
@@ -262,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# GPU check ({datetime.date.today()})", "", f"Command: `benchmarks/gpu_check.py --device {args.device}`", "", "## Device", ""]
     described, bandwidth = device_section(device, quick)
     lines += described
-    for title, section in (("Tests on the device", lambda: tests_section(device, quick)), ("Triton decode attention", lambda: kernel_section(device, bandwidth, quick)), ("Triton weight-only matmuls", lambda: linear_section(device, bandwidth, quick)), ("Triton matmuls of pre-quantized checkpoints", lambda: checkpoint_linear_section(device, bandwidth, quick)), ("CUDA graphs of the decode step", lambda: graph_section(device, quick)), ("Few-shot workload", lambda: end_to_end_section(device, quick))):
+    for title, section in (("Tests on the device", lambda: tests_section(device, quick)), ("Triton decode attention", lambda: kernel_section(device, bandwidth, quick)), ("Triton weight-only matmuls", lambda: linear_section(device, bandwidth, quick)), ("Triton matmuls of pre-quantized checkpoints", lambda: checkpoint_linear_section(device, bandwidth, quick)), ("Triton fused MoE", lambda: moe_section(device, bandwidth, quick)), ("CUDA graphs of the decode step", lambda: graph_section(device, quick)), ("Few-shot workload", lambda: end_to_end_section(device, quick))):
         if args.only.lower() not in title.lower():
             continue
         lines += ["", f"## {title}", ""]

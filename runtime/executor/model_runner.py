@@ -26,6 +26,7 @@ from radixlm.runtime.executor.decode_graphs import DecodeGraphs
 from radixlm.runtime.executor.tensor_parallel import StartTP, TensorParallel, TensorParallelError
 from radixlm.runtime.layers.attention import select_attention_backend
 from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.moe import MoEBlock
 from radixlm.runtime.layers.quant import quantize_model
 from radixlm.runtime.loader import (
     load_model,
@@ -120,6 +121,8 @@ class ModelRunner:
             quantize_model(self.model, args.quantization)
         elif self.dtype != torch.float32 and self.device.type == "cpu":
             self.model.keep_head_in_fp32()
+        if any([m.stack_experts() for m in self.model.modules() if isinstance(m, MoEBlock)]) and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the experts' unstacked copies, before the KV pool is sized from the free memory
         self.weight_bytes = weight_bytes(self.model)
         logger.info("weights: %.1f MiB in memory%s", self.weight_bytes / 2**20, f" ({', '.join(sorted(self.weight_formats))} as stored)" if native and self.weight_formats else "")
         self.model.decode_stacks.enabled = not args.disable_decode_stack
