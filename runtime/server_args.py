@@ -50,7 +50,7 @@ class ServerArgs:
     tp_timeout: float = _opt(300.0, "Seconds a tensor-parallel collective may wait for a peer before the engine gives up on the group.")
     random_seed: int = _opt(0, "Seed of the sampler for requests without their own seed.")
     grammar_backend: str = _opt("llguidance", "Constrained-decoding backend: llguidance or outlines.", choices=["llguidance", "outlines"])
-    reasoning_parser: str = _opt("auto", "Reasoning sections (<think>...</think>): auto (when the chat template writes both markers, chat answers carry the reasoning apart in reasoning_content, and constraints apply to the answer after it) or none (the output is all content).", choices=["auto", "none"])
+    reasoning_parser: str = _opt("auto", "Reasoning sections (<think>...</think>, or GPT-OSS's harmony channels): auto (when the chat template writes both markers, or harmony's, chat answers carry the reasoning apart in reasoning_content, harmony's tool calls in tool_calls, and constraints apply to the answer after the reasoning) or none (the output is all content).", choices=["auto", "none"])
     grammar_mask: str = _opt("lazy", "When a constrained row's grammar mask is computed: lazy (pick first, compute the mask only when the grammar refuses the pick; exact for greedy rows and rows without top-k/top-p/min-p, the others get it first) or eager (every step).", choices=["lazy", "eager"])
     grammar_compile_timeout: float = _opt(30.0, "Seconds a grammar may take to compile before the request fails.")
     disable_jump_forward: bool = _opt(False, "Decode forced grammar text token by token instead of appending it at once.")

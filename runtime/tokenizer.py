@@ -36,13 +36,23 @@ def load_tokenizer(model_path: str, tokenizer_path: str | None = None):
     return tok
 
 
+HARMONY_END_TOKENS = ("<|return|>", "<|call|>")  # GPT-OSS: the turn is over, or a tool call waits
+
+
 def end_token_ids(tokenizer, config_eos: list[int]) -> set[int]:
-    """Ids that end generation: the model's EOS ids plus end-of-turn tokens in the vocabulary."""
+    """Ids that end generation: the model's EOS ids plus end-of-turn tokens in the vocabulary.
+
+    In a harmony vocabulary (GPT-OSS: ``<|channel|>`` and ``<|return|>``) ``<|end|>`` closes one
+    message of a turn (the reasoning, say) and is not one of them; ``<|return|>`` and ``<|call|>`` are."""
     ids = set(config_eos)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in END_TOKENS if t in vocab)
+    harmony = "<|channel|>" in vocab and "<|return|>" in vocab
+    ends = [t for t in END_TOKENS if not (harmony and t == "<|end|>")] + (list(HARMONY_END_TOKENS) if harmony else [])
+    ids.update(vocab[t] for t in ends if t in vocab)
+    if harmony and "<|end|>" in vocab and vocab["<|end|>"] != tokenizer.eos_token_id:
+        ids.discard(vocab["<|end|>"])
     return ids
 
 

@@ -168,6 +168,14 @@ def thinker_model(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> 
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random GPT-OSS whose tokenizer and chat template speak harmony (``helpers.make_harmony_model``)."""
+    from helpers import make_harmony_model
+
+    return make_harmony_model(tmp_path_factory.mktemp("harmony") / "gpt_oss")
+
+
 @pytest.fixture(scope="module")
 def thinker_url(thinker_model: str):
     """The URL of an in-process server (no key) whose tiny model's template opens a reasoning section."""

@@ -27,6 +27,21 @@ THINK_TEMPLATE = (  # DeepSeek-R1 style: the generation prompt opens the reasoni
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 )
 
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+HARMONY_TEMPLATE = (  # GPT-OSS's harmony, cut down: tools in a developer message, earlier calls and results as channels
+    "{%- if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n{% endfor %}<|end|>{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'system' or m.role == 'developer' -%}<|start|>developer<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'user' -%}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ c.function.name }} <|constrain|>json<|message|>"
+    "{{ c.function.arguments if c.function.arguments is string else c.function.arguments | tojson }}<|call|>{%- endfor -%}"
+    "{%- elif m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' -%}<|start|>functions.{{ m.name or 'tool' }} to=assistant<|channel|>commentary<|message|>{{ m.content }}<|end|>"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Radix trees share prefixes; caches reuse keys and values.",
@@ -121,6 +136,26 @@ LORA_ADAPTERS = {
     "mlp": (16, 16, ["down_proj", "up_proj"], True),
     "fused": (8, 32, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"], False),
 }
+
+
+def make_harmony_model(folder: Path) -> str:
+    """A tiny random GPT-OSS checkpoint whose tokenizer holds harmony's markers as special tokens
+    and whose chat template writes harmony (``HARMONY_TEMPLATE``); ``<|return|>`` and ``<|call|>``
+    end generation, as GPT-OSS's do."""
+    from transformers import AutoTokenizer
+
+    make_tiny_model("gpt_oss", folder, vocab_size=416)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})
+    tok.chat_template = HARMONY_TEMPLATE
+    tok.save_pretrained(folder)
+    ids = tok.convert_tokens_to_ids(HARMONY_MARKERS)
+    assert max(ids) < 416, ids
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").unlink(missing_ok=True)
+    return str(folder)
 
 
 def make_adapter(base: str, folder: Path, rank: int, alpha: int, targets: list[str], rslora: bool = False, seed: int = 0) -> str:

@@ -7,7 +7,7 @@ each layer's experts as stacked tensors, ``mlp.experts.gate_up_proj`` ``[experts
 or (the published checkpoints) as MXFP4 blocks and scales (``gate_up_proj_blocks``,
 ``gate_up_proj_scales``, ...), dequantized at load (``runtime/layers/mxfp4.py``, which says
 what that costs). Both are cut here into one Hugging Face-style tensor per expert. The
-``harmony`` chat format's channels are not parsed into reasoning and tool calls yet.
+``harmony`` chat format's channels are read by the chat routes (``entrypoints/openai/harmony.py``).
 """
 
 from __future__ import annotations

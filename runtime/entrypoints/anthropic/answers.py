@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from radixlm.runtime.entrypoints.anthropic.plan import MessagesPlan
-from radixlm.runtime.entrypoints.openai import reasoning, tool_calls
+from radixlm.runtime.entrypoints.openai import harmony, reasoning, tool_calls
+from radixlm.runtime.entrypoints.openai.chat import is_cut
 from radixlm.runtime.entrypoints.openai.protocol import new_id
 from radixlm.runtime.request import ReqOutput
 
@@ -48,9 +49,12 @@ def stop_reason(plan: MessagesPlan, out: ReqOutput, has_calls: bool) -> tuple[st
     return "end_turn", None
 
 
-def split(plan: MessagesPlan, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+def split(plan: MessagesPlan, out: ReqOutput) -> tuple[str | None, str | None, list[dict[str, Any]]]:
     """(thinking, text, OpenAI-shaped calls) of a finished output."""
-    p = plan.plan
+    p, text = plan.plan, out.text
+    if p.harmony:
+        turn = harmony.read(text, cut=is_cut(out))
+        return turn.reasoning, turn.content, harmony.openai_calls(turn)
     thought, answer = reasoning.split(p.reasoning, text) if p.reasoning else (None, text)
     if p.tool_mode is None:
         return thought, answer, []
@@ -60,7 +64,7 @@ def split(plan: MessagesPlan, text: str) -> tuple[str | None, str | None, list[d
 
 def message(plan: MessagesPlan, out: ReqOutput) -> dict[str, Any]:
     """The ``message`` object of a finished request."""
-    thought, text, calls = split(plan, out.text)
+    thought, text, calls = split(plan, out)
     content: list[dict[str, Any]] = []
     if thought:
         content.append({"type": "thinking", "thinking": "" if plan.omit_thinking else thought, "signature": ""})

@@ -25,7 +25,7 @@ from radixlm.runtime.entrypoints.anthropic.protocol import (
 )
 from radixlm.runtime.entrypoints.http.common import ServerState
 from radixlm.runtime.entrypoints.http.errors import APIError, validation_error
-from radixlm.runtime.entrypoints.openai import reasoning
+from radixlm.runtime.entrypoints.openai import harmony, reasoning
 from radixlm.runtime.entrypoints.openai.chat import plan_chat
 from radixlm.runtime.entrypoints.openai.plan import Plan
 from radixlm.runtime.entrypoints.openai.protocol import ChatCompletionRequest
@@ -80,13 +80,13 @@ def plan_messages(state: ServerState, body: MessagesRequest | CountTokensRequest
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
     thinking = body.thinking
     if thinking is not None:
-        has_reasoning = reasoning.detect(engine.tokenizer, engine.args.reasoning_parser) is not None
+        has_reasoning = reasoning.detect(engine.tokenizer, engine.args.reasoning_parser) is not None or harmony.detect(engine.tokenizer, engine.args.reasoning_parser)
         if thinking.type == "disabled":
             if thinking.budget_tokens is not None:
                 raise APIError(400, "thinking.budget_tokens: only enabled thinking takes a budget", param="thinking.budget_tokens")
             fields["chat_template_kwargs"] = {"enable_thinking": False}  # Qwen3's switch; other templates ignore it
         elif not has_reasoning:
-            raise APIError(400, "thinking: the served model has no reasoning section (its chat template has no <think> markers, or the server runs with --reasoning-parser none)", param="thinking")
+            raise APIError(400, "thinking: the served model has no reasoning section (its chat template has no <think> markers nor harmony channels, or the server runs with --reasoning-parser none)", param="thinking")
         elif thinking.type == "enabled":
             if thinking.budget_tokens is None:
                 raise APIError(400, "thinking.budget_tokens: enabled thinking needs a budget", param="thinking.budget_tokens")

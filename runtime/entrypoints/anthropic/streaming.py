@@ -36,6 +36,8 @@ from radixlm.runtime.entrypoints.http.common import (
     next_output,
 )
 from radixlm.runtime.entrypoints.openai import reasoning
+from radixlm.runtime.entrypoints.openai.chat import is_cut
+from radixlm.runtime.entrypoints.openai.harmony import HarmonyStreamer
 from radixlm.runtime.entrypoints.openai.tool_call_stream import ToolCallStreamer
 
 _LINE_BREAKS = {c: f"\\u{c:04x}" for c in (0x0B, 0x0C, 0x1C, 0x1D, 0x1E, 0x85, 0x2028, 0x2029)}  # as http.common.sse_line
@@ -112,7 +114,8 @@ async def message_events(ticket: Ticket, mplan: MessagesPlan, queue: Any) -> Asy
     """Anthropic's events for the one request of ``mplan``; a failure ends with an error event."""
     state, plan = ticket.state, mplan.plan
     blocks = _Blocks()
-    streamer = ToolCallStreamer(plan.tool_mode, plan.tool_name, plan.tool_format) if plan.tool_mode else None
+    streamer = ToolCallStreamer(plan.tool_mode, plan.tool_name, plan.tool_format) if plan.tool_mode and not plan.harmony else None
+    channels = HarmonyStreamer() if plan.harmony else None
     started = False
     thought_sent, text_sent = "", 0
     while True:
@@ -137,9 +140,12 @@ async def message_events(ticket: Ticket, mplan: MessagesPlan, queue: Any) -> Asy
                     yield event
                 thought_sent = thought
         events: list[dict[str, Any]] = []
-        if streamer is not None:
+        if channels is not None:
+            for d in channels.feed(out.text, final=out.finished, cut=is_cut(out)):
+                events += blocks.thinking("" if mplan.omit_thinking else d["reasoning_content"]) if "reasoning_content" in d else blocks.chat_delta(d)
+        elif streamer is not None:
             if out.finished:
-                _, content, calls = split(mplan, out.text)
+                _, content, calls = split(mplan, out)
                 deltas = streamer.finish(answer, content, calls)
             else:
                 deltas = streamer.feed(answer)
@@ -153,7 +159,7 @@ async def message_events(ticket: Ticket, mplan: MessagesPlan, queue: Any) -> Asy
         if out.finished:
             for event in blocks.close():
                 yield event
-            _, _, calls = split(mplan, out.text)
+            _, _, calls = split(mplan, out)
             reason, sequence = stop_reason(mplan, out, bool(calls))
             yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(mplan, out)}
             yield {"type": "message_stop"}

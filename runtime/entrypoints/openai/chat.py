@@ -11,7 +11,7 @@ from radixlm.runtime.constrained.schema_rewrite import rewrite_schema
 from radixlm.runtime.constrained.schema_strict import close_objects
 from radixlm.runtime.entrypoints.http.common import ServerState
 from radixlm.runtime.entrypoints.http.errors import APIError
-from radixlm.runtime.entrypoints.openai import reasoning, tool_calls, tool_formats
+from radixlm.runtime.entrypoints.openai import harmony, reasoning, tool_calls, tool_formats
 from radixlm.runtime.entrypoints.openai.answers import finish_reason, token_entries, with_final_info
 from radixlm.runtime.entrypoints.openai.plan import (
     Plan,
@@ -42,6 +42,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
         named = next((t for t in tools if t.function.name == choice.function["name"]), None)
         if named is None:
             raise APIError(400, f"tool_choice names {choice.function['name']!r}, which is not in tools", param="tool_choice")
+    speaks_harmony = harmony.detect(engine.tokenizer, engine.args.reasoning_parser)
     renders = tool_calls.template_renders_tools(engine.tokenizer)
     tool_format = tool_formats.detect(engine.tokenizer) if renders else tool_formats.HERMES  # else our prompt teaches Hermes
     use_tools = tools if choice != "none" else []
@@ -80,9 +81,13 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
         if tool_mode is not None:  # a whole call rather than one cut by max_tokens (constrained/budget.py)
             sampling.setdefault("close_json_within_budget", True)
         else:
-            tool_mode, sampling["ebnf"] = "auto", _auto_grammar(engine, sampling, tools, body.parallel_tool_calls, tool_format)
-    thinking = reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)
-    if thinking is not None:
+            tool_mode = "auto"
+            if not speaks_harmony:  # harmony's own turn grammar comes below
+                sampling["ebnf"] = _auto_grammar(engine, sampling, tools, body.parallel_tool_calls, tool_format)
+    thinking = None if speaks_harmony else reasoning.for_prompt(reasoning.detect(engine.tokenizer, engine.args.reasoning_parser), text)
+    if speaks_harmony:
+        _harmony_turn(engine, body, sampling, tool_mode, [named] if named is not None else tools)
+    elif thinking is not None:
         auto_answer = _auto_grammar(engine, sampling, tools, body.parallel_tool_calls, tool_format, "answer") if tool_mode == "auto" else None
         _think_first(thinking, body, sampling, tool_mode, auto_answer)
     elif body.max_reasoning_tokens is not None:
@@ -90,7 +95,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, priority=body.priority, id=new_id("chatcmpl"))
+    return Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, harmony=speaks_harmony, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, priority=body.priority, id=new_id("chatcmpl"))
 
 
 def _auto_grammar(engine, sampling: dict[str, Any], tools: list, parallel: bool, fmt: ToolFormat, start: str = "start") -> str:
@@ -112,21 +117,51 @@ def _think_first(fmt: reasoning.ReasoningFormat, body: ChatCompletionRequest, sa
     param = "tools" if tool_mode else "response_format"
     if auto_answer is not None:
         answer = [auto_answer]
-    elif kinds == ["json_schema"] and (tool_mode or (body.response_format is not None and body.response_format.type != "text")):
-        schema = sampling.pop("json_schema")
-        sampling.pop("close_json_within_budget", None)  # the output starts with free reasoning, not JSON
-        if sampling.pop("json_schema_strict", True):
-            schema = close_objects(schema)
-        try:  # refused here, by the field's name; the backend rewrites the %json lexeme itself (with warnings)
-            rewrite_schema(schema, LLGUIDANCE_FORMATS)
-        except GrammarError as exc:
-            raise APIError(400, str(exc), param=param) from None
-        answer = reasoning.json_answer(schema)
+    elif kinds == ["json_schema"] and (tool_mode or _has_response_format(body)):
+        answer = reasoning.json_answer(_answer_schema(sampling, param))
     elif not kinds and body.max_reasoning_tokens is not None:
         answer = ["answer: ANSWER", "ANSWER: /(?s:.*)/"]
     else:
         return  # free text (reasoning unbounded), or the extras regex/ebnf/json_schema: as given
     sampling["ebnf"] = reasoning.grammar(fmt, answer, body.max_reasoning_tokens)
+
+
+def _has_response_format(body: ChatCompletionRequest) -> bool:
+    return body.response_format is not None and body.response_format.type != "text"
+
+
+def _answer_schema(sampling: dict[str, Any], param: str) -> Any:
+    """Take the JSON schema out of ``sampling`` for an answer that follows free reasoning: closed
+    unless not strict, and refused here (by ``param``) where llguidance cannot take it."""
+    schema = sampling.pop("json_schema")
+    sampling.pop("close_json_within_budget", None)  # the output starts with free reasoning, not JSON
+    if sampling.pop("json_schema_strict", True):
+        schema = close_objects(schema)
+    try:  # refused here, by the field's name; the backend rewrites the %json lexeme itself (with warnings)
+        rewrite_schema(schema, LLGUIDANCE_FORMATS)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=param) from None
+    return schema
+
+
+def _harmony_turn(engine, body: ChatCompletionRequest, sampling: dict[str, Any], tool_mode: str | None, tools: list) -> None:
+    """Shape a harmony model's turn (openai/harmony.py): markers kept in the text, and the
+    constraint (tools, ``response_format``, ``max_reasoning_tokens``) applied to the answer
+    message after an optional ``analysis`` one (a Lark grammar, as ``_think_first``'s)."""
+    sampling["skip_special_tokens"] = False  # the parse reads the channel markers
+    ids = harmony.marker_ids(engine.tokenizer)
+    kinds = [k for k in ("regex", "ebnf", "json_schema") if k in sampling]
+    if tool_mode is not None:
+        for key in ("json_schema", "json_schema_strict", "close_json_within_budget"):
+            sampling.pop(key, None)  # the call's arguments are the body of a commentary message
+        turn = harmony.call_turn(ids, tools, text_too=tool_mode == "auto")
+    elif kinds == ["json_schema"] and _has_response_format(body):
+        turn = harmony.final_turn(ids, harmony.json_answer(_answer_schema(sampling, "response_format")))
+    elif not kinds and body.max_reasoning_tokens is not None:
+        turn = harmony.final_turn(ids, harmony.text_answer())
+    else:
+        return  # free text, or the extras regex/ebnf/json_schema: as given
+    sampling["ebnf"] = harmony.grammar(ids, turn, body.max_reasoning_tokens)
 
 
 def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[int], tools: list | None) -> list[tuple[int, float]]:
@@ -153,8 +188,7 @@ def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[in
 
 def chat_choice(plan: Plan, index: int, out: ReqOutput) -> dict[str, Any]:
     """The ``choices`` entry of a finished chat output: its message (content, reasoning, tool calls)."""
-    thought, answer = reasoning.split(plan.reasoning, out.text) if plan.reasoning else (None, out.text)
-    content, calls = _tool_message(plan, answer)
+    thought, content, calls = message_parts(plan, out)
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if thought is not None:
         message["reasoning_content"] = thought
@@ -163,6 +197,21 @@ def chat_choice(plan: Plan, index: int, out: ReqOutput) -> dict[str, Any]:
     choice = {"index": index, "message": message, "finish_reason": finish_reason(plan, out, bool(calls))}
     choice["logprobs"] = chat_logprobs(out) if plan.logprobs is not None else None
     return with_final_info(plan, out, choice)
+
+
+def message_parts(plan: Plan, out: ReqOutput) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """(reasoning, content, tool calls) of a finished chat output."""
+    if plan.harmony:
+        turn = harmony.read(out.text, cut=is_cut(out))
+        return turn.reasoning, turn.content if turn.content or not turn.calls else None, harmony.openai_calls(turn)
+    thought, answer = reasoning.split(plan.reasoning, out.text) if plan.reasoning else (None, out.text)
+    content, calls = _tool_message(plan, answer)
+    return thought, content, calls
+
+
+def is_cut(out: ReqOutput) -> bool:
+    """True when max_tokens stopped the output."""
+    return (out.meta_info.get("finish_reason") or {}).get("type") == "length"
 
 
 def _tool_message(plan: Plan, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -199,3 +248,14 @@ def tool_pieces(plan: Plan, idx: int, out: ReqOutput, streamer: ToolCallStreamer
     last = len(deltas) - 1
     return [{"index": idx, "delta": d, "logprobs": None, "finish_reason": finish_reason(plan, out, bool(calls)) if i == last else None} for i, d in enumerate(deltas)]
 
+
+def harmony_pieces(plan: Plan, idx: int, out: ReqOutput, streamer: harmony.HarmonyStreamer) -> list[dict[str, Any]]:
+    """The chunk choices for a new output of a harmony choice: reasoning, content and call deltas,
+    one a chunk; the last output's last one carries the finish_reason."""
+    deltas = streamer.feed(out.text, final=out.finished, cut=is_cut(out))
+    if not out.finished:
+        return [{"index": idx, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    _, _, calls = message_parts(plan, out)
+    deltas = deltas or [{}]
+    last = len(deltas) - 1
+    return [{"index": idx, "delta": d, "logprobs": None, "finish_reason": finish_reason(plan, out, bool(calls)) if i == last else None} for i, d in enumerate(deltas)]

@@ -27,6 +27,7 @@ class Plan:
     logprobs: int | None  # top alternatives wanted (0 = chosen token only); None = no logprobs
     echo: bool = False
     reasoning: reasoning.ReasoningFormat | None = None  # a reasoning model's markers (chat)
+    harmony: bool = False  # the model answers in harmony's channels (openai/harmony.py)
     tool_mode: str | None = None  # "required", "named", "auto"
     tool_name: str | None = None
     tool_format: ToolFormat = HERMES  # how the model family writes ``auto`` calls

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from radixlm.runtime.entrypoints.http.common import ServerState, Ticket, drained_error, error_event
-from radixlm.runtime.entrypoints.openai import reasoning
+from radixlm.runtime.entrypoints.openai import harmony, reasoning
 from radixlm.runtime.entrypoints.openai.answers import (
     answer_usage,
     finish_reason,
     token_entries,
     with_final_info,
 )
-from radixlm.runtime.entrypoints.openai.chat import chat_logprobs, tool_pieces
+from radixlm.runtime.entrypoints.openai.chat import chat_logprobs, harmony_pieces, tool_pieces
 from radixlm.runtime.entrypoints.openai.completions import completion_logprobs
 from radixlm.runtime.entrypoints.openai.plan import Plan
 from radixlm.runtime.entrypoints.openai.protocol import now
@@ -38,7 +38,8 @@ async def stream_events(ticket: Ticket, plan: Plan, started: list[tuple[int, Any
     sent = {idx: 0 for idx, _, _ in started}
     sent_lp = {idx: 0 for idx, _, _ in started}
     thought_sent = {idx: "" for idx, _, _ in started}  # reasoning_content streamed so far
-    tools = {idx: ToolCallStreamer(plan.tool_mode, plan.tool_name, plan.tool_format) for idx, _, _ in started} if plan.chat and plan.tool_mode else None
+    tools = {idx: ToolCallStreamer(plan.tool_mode, plan.tool_name, plan.tool_format) for idx, _, _ in started} if plan.chat and plan.tool_mode and not plan.harmony else None
+    channels = {idx: harmony.HarmonyStreamer() for idx, _, _ in started} if plan.harmony else None
     if plan.chat:
         first = None if plan.tool_mode in ("named", "required") else ""  # these answer with calls, not content
         yield chunk([{"index": idx, "delta": {"role": "assistant", "content": first}, "logprobs": None, "finish_reason": None} for idx, _, _ in started])
@@ -69,7 +70,10 @@ async def stream_events(ticket: Ticket, plan: Plan, started: list[tuple[int, Any
                         yield chunk([{"index": idx, "delta": {"reasoning_content": thought[len(thought_sent[idx]) :]}, "logprobs": None, "finish_reason": None}])
                         thought_sent[idx] = thought
                     out = dataclasses.replace(out, text=answer)
-                pieces = tool_pieces(plan, idx, out, tools[idx]) if tools else [_stream_piece(state, plan, idx, out, sent, sent_lp)]
+                if channels:
+                    pieces = harmony_pieces(plan, idx, out, channels[idx])
+                else:
+                    pieces = tool_pieces(plan, idx, out, tools[idx]) if tools else [_stream_piece(state, plan, idx, out, sent, sent_lp)]
                 pieces = [p for p in pieces if p is not None]
                 for i, piece in enumerate(pieces):
                     yield chunk([with_final_info(plan, out, piece) if i == len(pieces) - 1 else piece])
