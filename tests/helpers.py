@@ -29,6 +29,7 @@ THINK_TEMPLATE = (  # DeepSeek-R1 style: the generation prompt opens the reasoni
 
 HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
 HARMONY_TEMPLATE = (  # GPT-OSS's harmony, cut down: tools in a developer message, earlier calls and results as channels
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
     "{%- if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n{% endfor %}<|end|>{% endif -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'system' or m.role == 'developer' -%}<|start|>developer<|message|>{{ m.content }}<|end|>"

@@ -268,3 +268,19 @@ def test_the_responses_and_anthropic_routes_read_the_channels(server):
     by_type = {b["type"]: b for b in greedy["content"]}
     assert (stop, json.loads(args)) == ("tool_use", by_type["tool_use"]["input"])
     assert thinking == by_type.get("thinking", {}).get("thinking", "")
+
+
+def test_reasoning_effort_reaches_the_template(server, harmony_model):
+    from transformers import AutoTokenizer
+
+    url, client = server
+    tok = AutoTokenizer.from_pretrained(harmony_model)
+    counts = {}
+    for effort in ("low", "high"):
+        want = len(tok.encode(tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True, reasoning_effort=effort), add_special_tokens=False))
+        got = client.chat.completions.create(model="oss", messages=ASK, max_tokens=1, reasoning_effort=effort).usage.prompt_tokens
+        assert got == want, effort
+        counts[effort] = got
+        res = httpx.post(url + "/v1/responses", json={"model": "oss", "input": ASK[0]["content"], "max_output_tokens": 1, "reasoning": {"effort": effort}}, timeout=60).json()
+        assert res["usage"]["input_tokens"] == want, res
+    assert counts["low"] != counts["high"], "the efforts render differently"

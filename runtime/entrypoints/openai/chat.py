@@ -50,9 +50,12 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
     reserved = sorted(set(body.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", param="chat_template_kwargs")
+    template_kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is not None:  # GPT-OSS's template writes it into the system message; chat_template_kwargs wins
+        template_kwargs = {"reasoning_effort": body.reasoning_effort, **(template_kwargs or {})}
     try:
         template_tools = [t.model_dump() for t in use_tools] if (renders and use_tools) else None
-        text = apply_chat_template(engine.tokenizer, messages, tools=template_tools, template_kwargs=body.chat_template_kwargs)
+        text = apply_chat_template(engine.tokenizer, messages, tools=template_tools, template_kwargs=template_kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except Exception as exc:  # the template itself rejected the conversation
@@ -95,7 +98,7 @@ def plan_chat(state: ServerState, body: ChatCompletionRequest) -> Plan:
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    return Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, harmony=speaks_harmony, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools), prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, priority=body.priority, id=new_id("chatcmpl"))
+    return Plan(True, body.model or state.model_name, [ids], [text], sampling, body.n, body.stream, bool(body.stream_options and body.stream_options.include_usage), logprobs, reasoning=thinking, harmony=speaks_harmony, tool_mode=tool_mode, tool_name=named.function.name if named else None, tool_format=tool_format, cache_salt=body.cache_salt, prompt_cache_key=body.prompt_cache_key, return_cache_info=body.return_cache_info, retention=_retention(engine, body, messages, ids, template_tools, template_kwargs), prediction=predicted_text(body), bootstrap_room=body.bootstrap_room, priority=body.priority, id=new_id("chatcmpl"))
 
 
 def _auto_grammar(engine, sampling: dict[str, Any], tools: list, parallel: bool, fmt: ToolFormat, start: str = "start") -> str:
@@ -164,7 +167,7 @@ def _harmony_turn(engine, body: ChatCompletionRequest, sampling: dict[str, Any],
     sampling["ebnf"] = harmony.grammar(ids, turn, body.max_reasoning_tokens)
 
 
-def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[int], tools: list | None) -> list[tuple[int, float]]:
+def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[int], tools: list | None, template_kwargs: dict[str, Any] | None) -> list[tuple[int, float]]:
     """(prefix tokens, ttl) for each message with ``cache_control``: the prompt up to its end."""
     hints = []
     for i, message in enumerate(body.messages):
@@ -174,7 +177,7 @@ def _retention(engine, body: ChatCompletionRequest, messages: list, ids: list[in
             hints.append((len(ids), float(message.cache_control.ttl)))
             continue
         try:
-            text = apply_chat_template(engine.tokenizer, messages[: i + 1], tools=tools, add_generation_prompt=False, template_kwargs=body.chat_template_kwargs)
+            text = apply_chat_template(engine.tokenizer, messages[: i + 1], tools=tools, add_generation_prompt=False, template_kwargs=template_kwargs)
         except Exception as exc:
             raise APIError(400, f"messages[{i}].cache_control: the chat template could not render the prefix up to this message: {exc}", param=f"messages.{i}.cache_control") from None
         prefix = engine.tokenize(text, add_special_tokens=False)

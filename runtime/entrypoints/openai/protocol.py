@@ -238,6 +238,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=32)] | None = None  # extra template variables (Qwen3: enable_thinking)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # the template's ``reasoning_effort`` (GPT-OSS)
 
 
 # ------------------------------------------------------------- responses

@@ -130,6 +130,7 @@ def plan_response(state: ServerState, body: ResponsesRequest, previous: StoredRe
             repetition_penalty=body.repetition_penalty,
             ignore_eos=body.ignore_eos,
             max_reasoning_tokens=body.max_reasoning_tokens,
+            reasoning_effort=body.reasoning.effort if body.reasoning is not None else None,
             tools=[Tool(function=FunctionDef(name=t.name, description=t.description, strict=t.strict, **({"parameters": t.parameters} if t.parameters is not None else {}))) for t in body.tools] if body.tools else None,
             tool_choice=NamedToolChoice(function={"name": body.tool_choice.name}) if isinstance(body.tool_choice, FunctionChoice) else body.tool_choice,
             parallel_tool_calls=body.parallel_tool_calls,

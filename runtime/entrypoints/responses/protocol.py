@@ -135,7 +135,8 @@ class TextConfig(_Lenient):
 
 
 class ReasoningConfig(_Lenient):
-    """``reasoning``: accepted and echoed; a reasoning model thinks as its template lets it."""
+    """``reasoning``: echoed; ``effort`` reaches the chat template as ``reasoning_effort`` (GPT-OSS's
+    system message says it), and otherwise a reasoning model thinks as its template lets it."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
