@@ -170,7 +170,10 @@ FAMILY_ARCHS = {  # HF class -> llama.cpp architecture, for ``write_family_gguf`
     "SmolLM3ForCausalLM": "smollm3",
     "Qwen3MoeForCausalLM": "qwen3moe",
     "MixtralForCausalLM": "llama",  # LlamaModel converts Mixtral
+    "GptOssForCausalLM": "gpt-oss",
 }
+_GPT_OSS_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_GPT_OSS_OTHER = re.compile(r"^model\.layers\.(\d+)\.(mlp\.router\.(weight|bias)|self_attn\.sinks)$")
 # one expert's projection in a HF checkpoint (transformers 5 saves Mixtral's under its original names)
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
@@ -211,6 +214,31 @@ def _experts_as_written(tensors: dict[str, np.ndarray], layout: str) -> dict[str
                 out[f"blk.{layer}.ffn_gate_up_exps.weight"] = np.concatenate([stacked, up], axis=1)
         else:
             out[f"blk.{layer}.ffn_{proj}_exps.weight"] = stacked
+    return out
+
+
+def _gpt_oss_as_written(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GPT-OSS's stacked experts, routers and sinks as llama.cpp's converter writes them
+    (``GptOssModel``): the interleaved ``gate_up_proj`` [experts, in, 2 * inter] split into
+    ``ffn_gate_exps``/``ffn_up_exps`` with each expert as [rows, columns], ``down_proj`` likewise,
+    biases split the same way; the router as ``ffn_gate_inp``; the sinks as ``attn_sinks.weight``."""
+    out = {}
+    for name in list(tensors):
+        if m := _GPT_OSS_EXPERTS.match(name):
+            layer, proj, bias = m.group(1), m.group(2), m.group(3)
+            arr = tensors.pop(name)
+            kind = "bias" if bias else "weight"
+            if not bias:
+                arr = arr.transpose(0, 2, 1)  # [experts, rows, columns]
+            if proj == "down_proj":
+                out[f"blk.{layer}.ffn_down_exps.{kind}"] = np.ascontiguousarray(arr)
+            else:
+                out[f"blk.{layer}.ffn_gate_exps.{kind}"] = np.ascontiguousarray(arr[:, 0::2])
+                out[f"blk.{layer}.ffn_up_exps.{kind}"] = np.ascontiguousarray(arr[:, 1::2])
+        elif m := _GPT_OSS_OTHER.match(name):
+            layer, what = m.group(1), m.group(2)
+            gname = "attn_sinks.weight" if what == "self_attn.sinks" else f"ffn_gate_inp.{m.group(3)}"
+            out[f"blk.{layer}.{gname}"] = tensors.pop(name)
     return out
 
 
@@ -255,6 +283,13 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+        elif full.get("rope_type") == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(full["factor"])
+            w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+            for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+                if full.get(key) is not None:
+                    add(full[key])
         w.add_rope_freq_base(full["rope_theta"])
         if "sliding_attention" in rope:
             w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -270,6 +305,9 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if arch == "qwen3moe":  # Qwen2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
     w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
     for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id), ("pad_token_id", w.add_pad_token_id)):
         if isinstance(cfg.get(key), int):
@@ -281,7 +319,10 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(full["original_max_position_embeddings"])) if scale > 1 else 1.0)
         tensors = {"rope_factors_long.weight": np.array(full["long_factor"], np.float32),
                    "rope_factors_short.weight": np.array(full["short_factor"], np.float32), **tensors}  # fmt: skip
-    moe = _experts_as_written(tensors, experts)  # takes the experts and routers out of ``tensors``
+    if arch == "gpt-oss":
+        moe = _gpt_oss_as_written(tensors)
+    else:
+        moe = _experts_as_written(tensors, experts)  # takes the experts and routers out of ``tensors``
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), cfg["num_hidden_layers"])
     for name, arr in {**tensors, **moe}.items():
         if arch == "gemma2" and name == "lm_head.weight":
@@ -295,7 +336,7 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
             arr = arr + np.float32(1)
         if arch in ("smollm3", "llama") and name.endswith(("q_proj.weight", "k_proj.weight")):
             arr = _permute(arr, heads if "q_proj" in name else kv_heads)
-        qtype = type_of(gname) if arr.ndim >= 2 and not gname.endswith("ffn_gate_inp.weight") else "F32"
+        qtype = type_of(gname) if arr.ndim >= 2 and not gname.endswith(("ffn_gate_inp.weight", ".bias")) else "F32"
         _gguf_tensor(w, gname, arr, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -122,6 +122,8 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
                    use_sliding_window=False, sliding_window=None)  # fmt: skip
     elif arch in ("qwen3", "qwen3moe"):
         cfg.update(use_sliding_window=False, sliding_window=None)
+    elif arch == "gpt-oss":
+        cfg.update(_gpt_oss(get, cfg))
     elif arch in HYBRID_ARCHITECTURES:
         cfg.update(hybrid_config(arch, get, cfg))
     if experts:
@@ -160,12 +162,26 @@ def _experts(arch: str, get, cfg: dict[str, Any], experts: int) -> dict[str, Any
     used = _one_for_all_layers(used, f"{arch}.expert_used_count")
     if arch == "llama":
         return {"num_local_experts": experts, "num_experts_per_tok": used, "sliding_window": None}
+    if arch == "gpt-oss":  # its intermediate_size is an expert's width
+        width = _one_for_all_layers(get("expert_feed_forward_length") or cfg["intermediate_size"], f"{arch}.expert_feed_forward_length")
+        return {"num_local_experts": experts, "num_experts_per_tok": used, "intermediate_size": width}
     width = get("expert_feed_forward_length")
     width = cfg["intermediate_size"] // used if width is None else _one_for_all_layers(width, f"{arch}.expert_feed_forward_length")
     out = {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width}
     if arch != "qwen35moe":  # (Qwen3.5-MoE's config has no such keys: experts on every layer, always renormalised)
         out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     return out
+
+
+def _gpt_oss(get, cfg: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's keys llama.cpp does not store, as it runs them: a sliding window on every other
+    layer (the first slides; ``set_swa_pattern(2)``), the SwiGLU clamp at 7 (``swiglu_limit``),
+    and YaRN without rounding its correction range (``truncate``: false, as GPT-OSS's config says)."""
+    window = int(get("attention.sliding_window") or 0) or None
+    rope = cfg["rope_parameters"]
+    if rope.get("rope_type") == "yarn":
+        rope = {**rope, "truncate": False}
+    return {"sliding_window": window, "layer_types": _layer_types(cfg["num_hidden_layers"], 2, window), "swiglu_limit": 7.0, "rope_parameters": rope}
 
 
 def _tokens(reader) -> dict[str, Any]:
@@ -300,6 +316,8 @@ def _split_experts(t, parts: tuple[str, ...], experts: int) -> list[_Weight]:
     """A merged expert tensor (data [experts, rows, columns or row bytes]) as one weight per
     expert and part (``parts``: HF name formats; several share the rows equally, in order)."""
     data = t.data
+    if data.ndim == 2 and data.shape[0] == experts and len(parts) == 1:  # GPT-OSS's expert biases [experts, rows]
+        return [_Weight(t.name, parts[0].format(expert=e), t.tensor_type, data[e], int(t.shape[0])) for e in range(experts)]
     if data.ndim != 3 or data.shape[0] != experts or data.shape[1] % len(parts):
         raise ValueError(f"GGUF tensor {t.name} of shape {tuple(int(n) for n in t.shape)} does not hold {experts} experts' {len(parts)} projection(s)")
     rows = data.shape[1] // len(parts)

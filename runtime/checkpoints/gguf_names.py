@@ -7,12 +7,15 @@ adds 1 to every Gemma norm weight (Gemma's RMSNorm scales by ``1 + w``), keeps P
 factors and Llama 3's RoPE frequency factors as tensors (config, not weights, here). What it
 changed in the hybrid families (Qwen3-Next, Qwen3.5) is undone in ``gguf_hybrid``.
 
-Mixtures of experts (``qwen3moe``; Mixtral, which the converter writes as ``llama`` with an
+Mixtures of experts (``qwen3moe``; ``gpt-oss``; Mixtral, which the converter writes as ``llama`` with an
 ``expert_count``) keep the router as ``ffn_gate_inp`` and every expert of a layer in one 3-D tensor
 per projection, ``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps`` ([experts, rows, columns];
 a converter run with ``--fuse-gate-up-exps`` writes ``ffn_gate_up_exps``, gate rows then up rows);
 llama.cpp files from before 2024 hold one tensor per expert (``blk.N.ffn_gate.E.weight``). Hugging
 Face checkpoints hold one tensor per expert: ``gguf_expert_names`` says how a merged one splits.
+GPT-OSS's converter splits the checkpoint's interleaved ``gate_up_proj`` into ``ffn_gate_exps`` and
+``ffn_up_exps`` (biases too, ``.bias`` [experts, rows]), transposes each expert to [rows, columns],
+repacks MXFP4 experts as GGUF's ``MXFP4`` blocks, and names the sinks ``attn_sinks.weight``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {  # GGUF architecture -> (HF class,
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("MixtralForCausalLM", "mixtral")}  # files with an expert_count
 ROPE_PERMUTED = frozenset({"llama", "mistral", "smollm3"})  # q/k rows in llama.cpp's interleaved order
@@ -87,14 +91,24 @@ _HYBRID = {  # Qwen3-Next, Qwen3.5, Qwen3.5-MoE (gguf_hybrid.py undoes what the 
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_GPT_OSS = {  # the router keeps its bias (``ffn_gate_inp.bias``); experts' biases are merged as their weights
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    **_ATTENTION,
+    "ffn_gate_inp": "mlp.router",
+}
 # per-layer tensors not named ``<module>.weight``: the name after ``blk.N.`` -> HF's after ``model.layers.N.``
 _HYBRID_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+PARAMETER_NAMES: dict[str, dict[str, str]] = {
+    "qwen3next": _HYBRID_PARAMETERS, "qwen35": _HYBRID_PARAMETERS, "qwen35moe": _HYBRID_PARAMETERS,
+    "gpt-oss": {"attn_sinks.weight": "self_attn.sinks"},
+}  # fmt: skip
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA,
     "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA, "qwen3next": _HYBRID, "qwen35": _HYBRID,
-    "qwen35moe": _HYBRID,
+    "qwen35moe": _HYBRID, "gpt-oss": _GPT_OSS,
 }  # fmt: skip
-EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe"})  # where a file may hold experts
+EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe", "gpt-oss"})  # where a file may hold experts
 # merged expert tensor -> the projections its rows hold, in order (each part an equal share of the rows)
 MERGED_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),
@@ -115,10 +129,11 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
             return None
         proj = _MLP[parts[2]].removeprefix("mlp.")
         return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
-    if parts[0] == "blk" and len(parts) > 2 and arch in (None, "qwen3next", "qwen35", "qwen35moe"):
-        param = _HYBRID_PARAMETERS.get(".".join(parts[2:]))
-        if param is not None:
-            return f"model.layers.{parts[1]}.{param}"
+    if parts[0] == "blk" and len(parts) > 2:
+        for table in [PARAMETER_NAMES.get(arch, {})] if arch is not None else PARAMETER_NAMES.values():
+            param = table.get(".".join(parts[2:]))
+            if param is not None:
+                return f"model.layers.{parts[1]}.{param}"
     if len(parts) != 4 or parts[0] != "blk":
         return None
     for table in [LAYER_NAMES[arch]] if arch is not None else LAYER_NAMES.values():
@@ -128,9 +143,9 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
 
 
 def gguf_expert_names(name: str, arch: str | None = None) -> tuple[str, ...] | None:
-    """For a merged expert tensor (``blk.N.ffn_gate_exps.weight``: [experts, rows, columns]) the
-    Hugging Face name of each part of expert ``{expert}``'s rows, as a format string (gate_up: the
-    gate's half, then the up's); None for any other tensor."""
+    """For a merged expert tensor (``blk.N.ffn_gate_exps.weight``: [experts, rows, columns]; its
+    bias, GPT-OSS's, [experts, rows]) the Hugging Face name of each part of expert ``{expert}``'s
+    rows, as a format string (gate_up: the gate's half, then the up's); None for any other tensor."""
     parts = name.split(".")
     if len(parts) != 4 or parts[0] != "blk" or parts[2] not in MERGED_EXPERTS:
         return None
