@@ -1,7 +1,7 @@
 """GGUF files of GPT-OSS (llama.cpp's ``gpt-oss``), written as llama.cpp's converter writes them,
 open as the Hugging Face checkpoint they came from: the config, every tensor (gate and up split out
-of the interleaved stacked experts, biases, router, sinks), Q8_0 experts kept as blocks, MXFP4
-experts dequantized once; and our engine on the file decodes transformers' greedy tokens."""
+of the interleaved stacked experts, biases, router, sinks), Q8_0 and MXFP4 experts kept as blocks
+the C++ kernels run; and our engine on the file decodes transformers' greedy tokens."""
 
 from __future__ import annotations
 
@@ -99,27 +99,42 @@ def test_every_tensor_is_the_hf_tensor(gguf_of, hf_folder, experts):
         assert torch.equal(tensor.float(), want[name].float()), name
 
 
-def test_mxfp4_experts_load_as_their_dequantized_blocks(gguf_of, hf_folder):
-    """GGUF's MXFP4 experts (no kernel runs them) are dequantized once at load, to the values the
-    gguf package reads from the blocks; the rest of the file stays as it is."""
-    want = _hf_tensors(hf_folder)
-    checkpoint = open_checkpoint(gguf_of("MXFP4"))
-    experts = {n: w for n, w in checkpoint.stored.items()}
-    assert experts and all(w.format == "gguf:MXFP4" for w in experts.values())
-    for name, weight in experts.items():
-        ref = torch.from_numpy(dequantize(quantize(want[name].numpy(), "MXFP4"), "MXFP4").copy())
-        assert torch.equal(weight.dequantize().float(), ref), name
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the GGUF kernels see it: 8 bits per block of 32 (scale max |x| / 127)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(scale > 0, scale, 1)) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("experts", ["Q8_0", "MXFP4"])
+def test_quantized_experts_run_as_stored_with_their_biases(gguf_of, hf_folder, experts, cpp_ext):
+    """Q8_0 and MXFP4 experts stay the file's blocks (MXFP4 equal to the gguf package's reading of
+    them) in GGUF layers that compute the dequantized product plus the expert's bias."""
+    from radixlm.runtime.layers.gguf_linear import GGUFLinear
     from radixlm.runtime.loader import load_model
 
-    model, _ = load_model(gguf_of("MXFP4"), torch.float32, torch.device("cpu"))
-    layer = model.get_submodule("layers.0.mlp.experts.1.down_proj")
-    assert torch.equal(layer.weight.float(), experts["model.layers.0.mlp.experts.1.down_proj.weight"].dequantize().float())
+    want = _hf_tensors(hf_folder)
+    for name, weight in open_checkpoint(gguf_of(experts)).stored.items():
+        assert weight.format == f"gguf:{experts}", name
+        ref = torch.from_numpy(dequantize(quantize(want[name].numpy(), experts), experts).copy())
+        assert torch.equal(weight.dequantize().float(), ref), name
+    native, _ = load_model(gguf_of(experts), torch.float32, torch.device("cpu"))
+    dense, _ = load_model(gguf_of(experts), torch.float32, torch.device("cpu"), native=False)
+    gen = torch.Generator().manual_seed(0)
+    layers = [n for n, m in native.named_modules() if ".experts." in n and n.endswith(("gate_up_proj", "down_proj"))]
+    assert len(layers) == 2 * 2 * 4
+    for name in layers:
+        layer, ref = native.get_submodule(name), dense.get_submodule(name)
+        assert isinstance(layer, GGUFLinear) and layer.bias is not None, name
+        x = torch.randn(3, ref.in_features, generator=gen)
+        exact = _int8_rounded(x).double() @ ref.weight.double().t() + ref.bias.double()
+        torch.testing.assert_close(layer(x).double(), exact, atol=2e-4 * exact.abs().max().item(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("experts", ["F32", "Q8_0"])
+@pytest.mark.parametrize("experts", ["F32", "Q8_0", "MXFP4"])
 def test_the_engine_on_the_gguf_decodes_transformers_greedy_tokens(gguf_of, hf_folder, experts):
-    """F32: transformers' greedy tokens on the Hugging Face folder. Q8_0 experts: the same tokens
-    as the F32 file for most of the way (the experts' products are int8-rounded)."""
+    """F32: transformers' greedy tokens on the Hugging Face folder. Quantized experts: the engine
+    runs them as stored (their products checked above)."""
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     with radixlm.Engine(model_path=gguf_of(experts), tokenizer_path=hf_folder, max_total_tokens=512) as engine:
         outputs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in PROMPTS]

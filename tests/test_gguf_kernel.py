@@ -26,11 +26,11 @@ gguf = pytest.importorskip("gguf")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q4_Z = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23, 1024
-TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q4_Z)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, Q4_Z = 2, 3, 6, 7, 8, 12, 13, 14, 20, 23, 39, 1024
+TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, Q4_Z)
 # each type's fp16 fields (byte offsets in a block) and, for Q4_1/Q5_1, which may be negative (a minimum)
 HALVES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,),
-          IQ4_NL: (0,), IQ4_XS: (0,), Q4_Z: (0,)}  # fmt: skip
+          IQ4_NL: (0,), IQ4_XS: (0,), MXFP4: (), Q4_Z: (0,)}  # fmt: skip
 ROWS = [1, 2, 3, 4, 5, 9, 17, 33]  # every pass size of the kernel (1..4 rows of x), remainders, and 16-row vectors (Q8_0 from 6 rows, the others from 12)
 SMALL_SHAPES = [(1, 32), (13, 96), (37, 576), (6, 288)]  # (n, k) for blocks of 32: 1, 3, 18, 9 blocks a row (tails of 8)
 K_SHAPES = [(1, 256), (13, 512), (7, 768)]  # super-blocks of 256
@@ -75,6 +75,9 @@ def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
     if qtype == Q4_Z:
         blocks[:, 2] = rng.integers(0, 16, size=blocks.shape[0])
         blocks[:, 3] = 0
+    if qtype == MXFP4:  # E8M0 exponents of 2^-11..2^-4, and the two subnormal ones (0 and 1) in a few blocks
+        blocks[:, 0] = rng.integers(117, 125, size=blocks.shape[0])
+        blocks[::7, 0] = rng.integers(0, 2, size=len(blocks[::7]))
     return torch.from_numpy(blocks.reshape(n, -1))
 
 

@@ -255,6 +255,26 @@ def test_mxfp4_dequantizes_as_transformers_does():
         dequantize_mxfp4(blocks, scales[..., :1])
 
 
+def test_mxfp4_blocks_move_into_gguf_mxfp4_rows_with_the_same_values():
+    """Hugging Face's MXFP4 (even value in the low nibble) repacked as GGUF's MXFP4 (Q4_0's nibble
+    order, the same scale byte) dequantizes, by the gguf package, to the same values, subnormal
+    scales included."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from radixlm.runtime.checkpoints.mxfp4 import gguf_blocks
+    from radixlm.runtime.layers.mxfp4 import dequantize_mxfp4
+
+    gen = torch.Generator().manual_seed(6)
+    blocks = torch.randint(0, 256, (2, 5, 3, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 140, (2, 5, 3), dtype=torch.uint8, generator=gen)
+    scales[0, 0] = torch.tensor([0, 1, 2], dtype=torch.uint8)
+    rows = gguf_blocks(blocks, scales)
+    assert rows.shape == (2, 5, 3 * 17)
+    theirs = dequantize(rows.reshape(-1, 3 * 17).numpy(), GGMLQuantizationType.MXFP4).reshape(2, 5, 96)
+    assert torch.equal(torch.from_numpy(theirs.copy()), dequantize_mxfp4(blocks, scales))
+
+
 def test_gpt_oss_mxfp4_experts_load_as_their_dequantized_stacked_tensors():
     from radixlm.runtime.layers.mxfp4 import dequantize_mxfp4
     from radixlm.runtime.models.gpt_oss import GptOssForCausalLM
@@ -279,7 +299,8 @@ def test_gpt_oss_mxfp4_experts_load_as_their_dequantized_stacked_tensors():
 
 def test_a_gpt_oss_mxfp4_checkpoint_decodes_as_transformers_on_its_dequantized_weights(tmp_path):
     """A folder whose experts are MXFP4 blocks and scales (quant_method mxfp4, as published)
-    gives transformers' greedy tokens on the same weights dequantized."""
+    runs its experts as GGUF MXFP4 blocks (the same bytes, nibbles moved) and gives transformers'
+    greedy tokens on the same weights dequantized; so does ``--quantization none``."""
     from safetensors.torch import load_file, save_file
 
     from helpers import hf_greedy_divergence, load_hf_model, make_tiny_model
@@ -304,7 +325,14 @@ def test_a_gpt_oss_mxfp4_checkpoint_decodes_as_transformers_on_its_dequantized_w
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (packed / "config.json").write_text(json.dumps(config))
 
+    from radixlm.runtime.layers.gguf_linear import MXFP4, GGUFLinear
+
     prompt = [5, 17, 33, 40, 8, 91, 150, 3, 77, 12, 300, 45]
-    with Engine(model_path=str(packed), max_total_tokens=512) as engine:
-        out = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True})[0]
-    assert hf_greedy_divergence(load_hf_model(str(plain)), prompt, out["output_ids"]) is None
+    reference = load_hf_model(str(plain))
+    for quantization in (None, "none"):
+        with Engine(model_path=str(packed), max_total_tokens=512, quantization=quantization) as engine:
+            out = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True})[0]
+            experts = [m for n, m in engine.runner.model.named_modules() if ".experts." in n and n.endswith(("gate_up_proj", "down_proj"))]
+        native = [isinstance(m, GGUFLinear) and m.types == [MXFP4] * len(m.types) for m in experts]
+        assert experts and all(native) if quantization is None else not any(native), quantization
+        assert hf_greedy_divergence(reference, prompt, out["output_ids"]) is None, quantization

@@ -8,9 +8,9 @@
 // D * dx * (c . qx) + M * dx * sum(qx): an integer dot product and two float multiply-adds.
 //
 // Supported (ggml ids): Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13,
-// Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, and ours, Q4_Z = 1024 (AWQ/GPTQ with zero points: 20 bytes
-// for 32 weights: fp16 d, uint8 zero z, one unused byte, 16 bytes of codes in Q4_0's order;
-// w = d * (q - z)).
+// Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, MXFP4 = 39, and ours, Q4_Z = 1024 (AWQ/GPTQ with zero
+// points: 20 bytes for 32 weights: fp16 d, uint8 zero z, one unused byte, 16 bytes of codes in
+// Q4_0's order; w = d * (q - z)).
 //
 // The AVX2 path reads 8 sub-blocks of 32 at a time (one K-quant super-block, or 8 small blocks):
 // it decodes their codes once, then for each row of x computes the 8 integer dot products, sums
@@ -35,11 +35,22 @@ using q4::half_at;
 using q4::kGroup;  // x is quantized per 32: every type's sub-block
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-constexpr int kIQ4_NL = 20, kIQ4_XS = 23, kQ4_Z = 1024;
-constexpr int kTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kQ4_Z};
+constexpr int kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39, kQ4_Z = 1024;
+constexpr int kTypes[] = {kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kIQ4_NL, kIQ4_XS, kMXFP4, kQ4_Z};
 
 // IQ4_NL's (and IQ4_XS's) 16 code values.
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's 16 E2M1 values, doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, times 2).
+alignas(16) constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E8M0 exponent byte as ggml reads MXFP4's scale, halved (the values are doubled): 2^(e - 128),
+// with e = 0 and 1 as the subnormals 2^-128 and 2^-127.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // A signed 4-bit-packed pair's Q4_0 order: byte j of 16 holds element j (low nibble) and j + 16 (high).
 inline void nibbles(const uint8_t* qs, int32_t* c) {
@@ -169,6 +180,25 @@ inline __m256i iq4_values(const uint8_t* qs) {
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
   return _mm256_shuffle_epi8(table, nibbles32(qs));
 }
+
+// MXFP4 nibbles (Q4_0 order) as their signed (doubled) values.
+inline __m256i mxfp4_values(const uint8_t* qs) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMXFP4Values)));
+  return _mm256_shuffle_epi8(table, nibbles32(qs));
+}
+
+// The E8M0 bytes at p + i * stride for i < n (0 beyond), as 8 floats e8m0_half: gathered in one
+// integer register, widened, and turned into float bits by shifts (a blend for the subnormals).
+inline __m256 e8m0_halves8(const uint8_t* p, int64_t stride, int n) {
+  uint64_t bytes = 0;
+  for (int i = 0; i < 8; ++i) bytes |= static_cast<uint64_t>(p[std::min(i, n - 1) * stride]) << (8 * i);
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  __m256i bits = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e));
+  if (n < 8) bits = _mm256_and_si256(bits, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+  return _mm256_castsi256_ps(bits);
+}
 #endif
 
 // Each type: kId, kWeights and kBytes (one block), kSubs (sub-blocks of 32 in a block), kMin
@@ -295,6 +325,27 @@ struct IQ4_NL {
     const uint8_t* b = row + g0 * kBytes;
     for (int i = 0; i < n; ++i) signed_codes(iq4_values(b + i * kBytes + 2), ch, i);
     ch.d = halves8(b, kBytes, n);
+  }
+#endif
+};
+
+// MXFP4 (GPT-OSS's experts): 32 weights in 17 bytes: an E8M0 exponent byte, then 16 bytes of E2M1
+// codes in Q4_0's order indexing kMXFP4Values; w = e8m0_half(e) * value.
+struct MXFP4 {
+  static constexpr int kId = kMXFP4, kWeights = 32, kBytes = 17, kSubs = 1;
+  static constexpr bool kMin = false, kSigned = true, kQ6 = false;
+  static void sub(const uint8_t* b, int, int32_t* c, float* d, float& m) {
+    nibbles(b + 1, c);
+    for (int j = 0; j < 32; ++j) c[j] = kMXFP4Values[c[j]];
+    d[0] = d[1] = e8m0_half(b[0]);
+    m = 0.0f;
+  }
+#if defined(RADIXLM_Q4_AVX2)
+  static constexpr bool kLoadMin = false;
+  static void load(const uint8_t* row, int64_t g0, int n, Chunk& ch) {
+    const uint8_t* b = row + g0 * kBytes;
+    for (int i = 0; i < n; ++i) signed_codes(mxfp4_values(b + i * kBytes + 1), ch, i);
+    ch.d = e8m0_halves8(b, kBytes, n);
   }
 #endif
 };
@@ -1110,6 +1161,7 @@ bool dispatch(int type, F&& f) {
     case kQ6_K: f(Q6_K{}); return true;
     case kIQ4_NL: f(IQ4_NL{}); return true;
     case kIQ4_XS: f(IQ4_XS{}); return true;
+    case kMXFP4: f(MXFP4{}); return true;
     case kQ4_Z: f(Q4_Z{}); return true;
     default: return false;
   }

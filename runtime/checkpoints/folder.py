@@ -59,6 +59,10 @@ def _reader_for(qconfig: dict) -> Reader:
         from radixlm.runtime.checkpoints import fp8
 
         return fp8.read_stored
+    if method == "mxfp4":
+        from radixlm.runtime.checkpoints import mxfp4
+
+        return mxfp4.read_stored
     raise ValueError(f"quantization_config quant_method {method!r} is not supported; radixlm reads gptq, awq, fp8, compressed-tensors (fp8) and mxfp4 (GPT-OSS)")
 
 
@@ -96,9 +100,6 @@ def open_folder(path: str, native: bool = True) -> Checkpoint:
     cfg = folder_config(path)
     size = sum(f.stat().st_size for f in _files(path))
     qconfig = quantization_config(path)
-    if qconfig is not None and str(qconfig.get("quant_method", "")).lower() == "mxfp4":
-        logger.info("dequantizing the MXFP4 experts at load (see radixlm.runtime.layers.mxfp4)")
-        qconfig = None  # GPT-OSS's experts: the family's checkpoint_tensors dequantizes their blocks and scales
     if qconfig is None:
         return Checkpoint(cfg, lambda: safetensors_tensors(path), {}, size)
     from safetensors import safe_open

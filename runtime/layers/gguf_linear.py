@@ -27,9 +27,9 @@ from radixlm.runtime.layers.stored_weight import StoredWeight, dense_linear
 logger = logging.getLogger(__name__)
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
-Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 12, 13, 14, 20, 23
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 = 12, 13, 14, 20, 23, 39
 Q4_Z = 1024  # ours, for AWQ/GPTQ zero points: fp16 d, uint8 zero, a pad byte, 16 bytes of Q4_0-ordered codes
-KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q4_Z)
+KERNEL_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, Q4_Z)
 Q4_Z_BLOCK = (32, 20)  # weights, bytes
 
 def type_name(qtype: int) -> str:

@@ -1,10 +1,10 @@
-"""MXFP4 (OCP microscaling FP4), as GPT-OSS checkpoints store their experts' weights: dequantized at load.
+"""MXFP4 (OCP microscaling FP4), as GPT-OSS checkpoints store their experts' weights: their values.
 
 Each row is cut into blocks of 32 values; a block is 16 bytes of FP4 (E2M1) codes, two a byte
 (the low nibble first), and one shared power-of-two scale byte (E8M0: ``2 ** (s - 127)``).
-radixlm dequantizes them once at load, into the model's dtype: there is no MXFP4 kernel, so an
-MXFP4 expert costs 4 bytes a weight in fp32 (2 in bf16) instead of about 0.53, unless
-``--quantization`` re-quantizes it (int4 then rounds the dequantized values a second time).
+On CPUs the experts run as stored (``radixlm.runtime.checkpoints.mxfp4`` moves the blocks into
+GGUF's MXFP4 layout for the C++ kernels); this dequantization serves ``--quantization none``,
+GPUs, and the stacked tensors a family's ``checkpoint_tensors`` meets outside a quantized folder.
 """
 
 from __future__ import annotations

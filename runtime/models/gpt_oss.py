@@ -5,8 +5,9 @@ The router takes the top k of its (biased) logits and a softmax over those k. Ch
 each layer's experts as stacked tensors, ``mlp.experts.gate_up_proj`` ``[experts, hidden,
 2 * inter]`` with gate and up columns interleaved, and ``down_proj`` ``[experts, inter, hidden]``,
 or (the published checkpoints) as MXFP4 blocks and scales (``gate_up_proj_blocks``,
-``gate_up_proj_scales``, ...), dequantized at load (``runtime/layers/mxfp4.py``, which says
-what that costs). Both are cut here into one Hugging Face-style tensor per expert. The
+``gate_up_proj_scales``, ...), which a ``quant_method: mxfp4`` folder hands over as GGUF MXFP4
+weights per expert (``runtime/checkpoints/mxfp4.py``: run as stored); stacked tensors met here
+(plain, or blocks outside such a folder) are cut into one Hugging Face-style tensor per expert. The
 ``harmony`` chat format's channels are read by the chat routes (``entrypoints/openai/harmony.py``).
 """
 
