@@ -13,6 +13,10 @@ per projection, ``ffn_gate_exps``/``ffn_up_exps``/``ffn_down_exps`` ([experts, r
 a converter run with ``--fuse-gate-up-exps`` writes ``ffn_gate_up_exps``, gate rows then up rows);
 llama.cpp files from before 2024 hold one tensor per expert (``blk.N.ffn_gate.E.weight``). Hugging
 Face checkpoints hold one tensor per expert: ``gguf_expert_names`` says how a merged one splits.
+
+DeepSeek-V2 and V3 (``deepseek2``) keep Hugging Face's layout but for the latent attention's
+``kv_b_proj``, which newer files hold split per head (``attn_k_b`` transposed, ``attn_v_b``):
+``gguf_deepseek`` rebuilds it. Their RoPE rows stay in the checkpoint's interleaved order.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {  # GGUF architecture -> (HF class,
     "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 where the router is a sigmoid (gguf_deepseek)
 }
 WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("MixtralForCausalLM", "mixtral")}  # files with an expert_count
 ROPE_PERMUTED = frozenset({"llama", "mistral", "smollm3"})  # q/k rows in llama.cpp's interleaved order
@@ -87,14 +92,35 @@ _HYBRID = {  # Qwen3-Next, Qwen3.5, Qwen3.5-MoE (gguf_hybrid.py undoes what the 
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_DEEPSEEK2 = {  # DeepSeek-V2/V3 (``attn_k_b``/``attn_v_b``, kv_b_proj split, are gguf_deepseek's)
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",  # V2-Lite: no query compression
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # whole, in files from before the converter split it
+    "attn_output": "self_attn.o_proj",
+    **_MLP,  # the leading dense layers
+    **_ROUTER,
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 # per-layer tensors not named ``<module>.weight``: the name after ``blk.N.`` -> HF's after ``model.layers.N.``
 _HYBRID_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+LAYER_PARAMETERS: dict[str, dict[str, str]] = {
+    "qwen3next": _HYBRID_PARAMETERS, "qwen35": _HYBRID_PARAMETERS, "qwen35moe": _HYBRID_PARAMETERS,
+    "deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # V3's router correction bias
+}  # fmt: skip
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA,
     "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA, "qwen3next": _HYBRID, "qwen35": _HYBRID,
-    "qwen35moe": _HYBRID,
+    "qwen35moe": _HYBRID, "deepseek2": _DEEPSEEK2,
 }  # fmt: skip
-EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe"})  # where a file may hold experts
+EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe", "deepseek2"})  # where a file may hold experts
 # merged expert tensor -> the projections its rows hold, in order (each part an equal share of the rows)
 MERGED_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),
@@ -115,10 +141,11 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
             return None
         proj = _MLP[parts[2]].removeprefix("mlp.")
         return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{proj}.{parts[4]}"
-    if parts[0] == "blk" and len(parts) > 2 and arch in (None, "qwen3next", "qwen35", "qwen35moe"):
-        param = _HYBRID_PARAMETERS.get(".".join(parts[2:]))
-        if param is not None:
-            return f"model.layers.{parts[1]}.{param}"
+    if parts[0] == "blk" and len(parts) > 2:
+        rest = ".".join(parts[2:])
+        for table in [LAYER_PARAMETERS.get(arch, {})] if arch is not None else LAYER_PARAMETERS.values():
+            if rest in table:
+                return f"model.layers.{parts[1]}.{table[rest]}"
     if len(parts) != 4 or parts[0] != "blk":
         return None
     for table in [LAYER_NAMES[arch]] if arch is not None else LAYER_NAMES.values():
