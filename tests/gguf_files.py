@@ -542,3 +542,126 @@ def write_hybrid_gguf(hf_folder: str, out: Path, outtype: str = "F32", ssm_in: b
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+KV_B_FORMS = ("split", "whole")  # DeepSeek's kv_b_proj: as today's converter writes it, and as it did before
+
+
+def deepseek_gguf_layout(cfg: dict, tensors: dict[str, np.ndarray], kv_b: str = "split") -> dict[str, np.ndarray]:
+    """``tensors`` (a DeepSeek-V2/V3 checkpoint's, by HF name) as ``DeepseekV2Model.modify_tensors``
+    lays them out, by GGUF name: experts merged, the correction bias named ``exp_probs_b.bias``, and
+    ``kv_b_proj`` split per head into ``attn_k_b`` (nope rows, transposed: ``[heads, rank, nope]``)
+    and ``attn_v_b`` (``[heads, v, rank]``), or kept whole (``kv_b="whole"``: files from before the split)."""
+    import gguf
+
+    tensors = dict(tensors)
+    moe = _experts_as_written(tensors, "merged")  # takes the experts and routers out of ``tensors``
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, cfg["num_hidden_layers"])
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    out = {}
+    for name, arr in tensors.items():
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= cfg["num_hidden_layers"]:
+            continue  # the MTP layer (skip_mtp)
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        base, kind = name.rsplit(".", 1)
+        gname = f"{names.get_name(base)}.{kind}"
+        if name.endswith("kv_b_proj.weight") and kv_b == "split":
+            per_head = arr.reshape(heads, nope + v, arr.shape[-1])
+            out[gname.replace("attn_kv_b", "attn_k_b")] = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+            out[gname.replace("attn_kv_b", "attn_v_b")] = np.ascontiguousarray(per_head[:, nope:])
+        else:
+            out[gname] = arr
+    return {**out, **moe}
+
+
+def deepseek_type(name: str, arr: np.ndarray, qtype: str) -> str:
+    """The GGML type the converter gives a tensor it is asked to make ``qtype``: F32 for 1-D
+    tensors, norms, routers and tensors not named ``.weight``; F16 where rows are not whole blocks
+    (its fall-back)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if qtype == "F32" or arr.ndim <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight")) or not name.endswith(".weight"):
+        return "F32"
+    return qtype if arr.shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0] == 0 else "F16"
+
+
+def write_deepseek_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", kv_b: str = "split") -> Path:
+    """The tiny DeepSeek-V2/V3 checkpoint in ``hf_folder`` as llama.cpp's converter writes it
+    (``DeepseekV2Model``, ``deepseek2``): ``TextModel``'s keys and its own (the latent attention's
+    ranks and widths, the experts' routing, YaRN's ``mscale_all_dim`` as 0.1 times it in
+    ``yarn_log_multiplier``), ``deepseek_gguf_layout``'s tensors, each in ``deepseek_type(name,
+    type_of(name))``. ``kv_b="split"``: as today (MLA as MQA: one KV head, the latent row's widths in
+    ``key_length``/``value_length``, the heads' in the ``_mla`` keys); ``"whole"``: as before the
+    split (llama.cpp's legacy form: ``attn_kv_b``, the heads' widths in ``key_length``/``value_length``)."""
+    import gguf
+    from gguf import GGUFWriter
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(hf_folder) / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {}
+    rank, nope, rot, v = cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    w = GGUFWriter(str(out), "deepseek2")
+    w.add_block_count(cfg["num_hidden_layers"])  # (skip_mtp: the MTP layer is not written)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(1 if kv_b == "split" else cfg["num_key_value_heads"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("n_group") is not None:
+        w.add_expert_group_count(cfg["n_group"])
+    if cfg.get("topk_group") is not None:
+        w.add_expert_group_used_count(cfg["topk_group"])
+    if cfg.get("scoring_func") in ("softmax", "sigmoid"):
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType[cfg["scoring_func"].upper()])
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("q_lora_rank") is not None:
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(rank)
+    if kv_b == "split":
+        w.add_key_length(rank + rot)
+        w.add_value_length(rank)
+        w.add_key_length_mla(nope + rot)
+        w.add_value_length_mla(v)
+    else:
+        w.add_key_length(nope + rot)
+        w.add_value_length(v)
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    if cfg.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rot)
+    if rope.get("mscale_all_dim") is not None:
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_token_list([f"<t{i}>" for i in range(cfg["vocab_size"])])
+    for key, add in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id), ("pad_token_id", w.add_pad_token_id)):
+        if isinstance(cfg.get(key), int):
+            add(cfg[key])
+
+    tensors = {k: t.float().numpy() for k, t in load_file(str(Path(hf_folder) / "model.safetensors")).items()}
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    for name, arr in deepseek_gguf_layout(cfg, tensors, kv_b).items():
+        qtype = deepseek_type(name, arr, type_of(name))
+        if qtype == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            _gguf_tensor(w, name, arr, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -3,7 +3,9 @@ weights either as stored (quantized blocks, ``GGUFWeight``) or dequantized once 
 
 A mixture of experts' merged expert tensors ([experts, rows, columns]) are split into one weight
 per expert and projection, as a Hugging Face checkpoint holds them; a quantized one's rows stay
-the blocks they are (a row of blocks is a row of the matrix)."""
+the blocks they are (a row of blocks is a row of the matrix). What the converter changed in the
+hybrid families is undone in ``gguf_hybrid``, in DeepSeek-V2/V3 (its split ``kv_b_proj``) in
+``gguf_deepseek``."""
 
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ from tqdm.auto import tqdm
 
 from radixlm.runtime.checkpoints.base import Checkpoint
 from radixlm.runtime.checkpoints.folder import safetensors_tensors
+from radixlm.runtime.checkpoints.gguf_deepseek import (
+    deepseek_config,
+    deepseek_experts,
+    deepseek_weights,
+)
 from radixlm.runtime.checkpoints.gguf_hybrid import (
     HYBRID_ARCHITECTURES,
     hybrid_config,
@@ -71,8 +78,8 @@ def _f32(value: float) -> float:
 def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any]:
     """The Hugging Face ``config.json`` dictionary (transformers 5 names) a GGUF file describes:
     its metadata, llama.cpp's fixed rules where the file says nothing (Gemma's layer patterns
-    and attention scale, SmolLM3's RoPE-less layers, the hybrids' linear-attention layers), and
-    Phi-3's longrope factor tensors."""
+    and attention scale, SmolLM3's RoPE-less layers, the hybrids' linear-attention layers,
+    DeepSeek's family from its router), and Phi-3's longrope factor tensors."""
     r = reader or gguf_reader(path)
     arch = _field(r, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -85,7 +92,7 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
     experts = int(get("expert_count") or 0)
     if experts and arch not in EXPERT_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r} with experts; radixlm runs experts of {', '.join(sorted(EXPERT_ARCHITECTURES))}")
-    if not experts and arch in ("qwen3moe", "qwen3next", "qwen35moe"):
+    if not experts and arch in ("qwen3moe", "qwen3next", "qwen35moe", "deepseek2"):
         raise ValueError(f"GGUF file of architecture {arch!r} without {arch}.expert_count")
     hidden, heads, layers = int(get("embedding_length")), int(get("attention.head_count")), int(get("block_count"))
     partial_rope = arch == "phi3" or arch in HYBRID_ARCHITECTURES  # rope.dimension_count: part of a head
@@ -109,7 +116,7 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
         "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors,
+        "attention_bias": any(f"blk.0.{t}.bias" in tensors for t in ("attn_q", "attn_qkv", "attn_kv_a_mqa")),
         "rope_parameters": _rope_parameters(get, _f32(get("rope.freq_base", 10000.0))),
         **_tokens(r),
     }
@@ -126,6 +133,8 @@ def gguf_hf_config(path: str, reader: GGUFReader | None = None) -> dict[str, Any
         cfg.update(_gpt_oss(get, cfg))
     elif arch in HYBRID_ARCHITECTURES:
         cfg.update(hybrid_config(arch, get, cfg))
+    elif arch == "deepseek2":
+        cfg.update(deepseek_config(get, cfg))
     if experts:
         cfg.update(_experts(arch, get, cfg, experts))
     if "hidden_activation" not in cfg:  # Gemma names its GELU so; the rest run SiLU
@@ -152,10 +161,11 @@ def _one_for_all_layers(value, key: str) -> int:
 
 
 def _experts(arch: str, get, cfg: dict[str, Any], experts: int) -> dict[str, Any]:
-    """The experts as the HF config names them. llama.cpp routes both architectures by softmax,
-    top k, renormalised (``build_moe_ffn(..., norm_w=true, ...)``), on every layer; Mixtral's
-    experts are ``feed_forward_length`` wide, Qwen3-MoE's ``expert_feed_forward_length`` (else, as
-    llama.cpp, the feed-forward length over the experts used)."""
+    """The experts as the HF config names them. llama.cpp routes Mixtral and the Qwen families by
+    softmax, top k, renormalised (``build_moe_ffn(..., norm_w=true, ...)``), on every layer;
+    Mixtral's experts are ``feed_forward_length`` wide, the others' ``expert_feed_forward_length``
+    (else, as llama.cpp, the feed-forward length over the experts used; DeepSeek's files must
+    say). DeepSeek's routers are ``gguf_deepseek``'s."""
     used = get("expert_used_count")
     if not used:
         raise ValueError(f"GGUF file of architecture {arch!r} with {experts} experts and no {arch}.expert_used_count")
@@ -166,7 +176,11 @@ def _experts(arch: str, get, cfg: dict[str, Any], experts: int) -> dict[str, Any
         width = _one_for_all_layers(get("expert_feed_forward_length") or cfg["intermediate_size"], f"{arch}.expert_feed_forward_length")
         return {"num_local_experts": experts, "num_experts_per_tok": used, "intermediate_size": width}
     width = get("expert_feed_forward_length")
+    if width is None and arch == "deepseek2":
+        raise ValueError(f"GGUF file of architecture {arch!r} without {arch}.expert_feed_forward_length")
     width = cfg["intermediate_size"] // used if width is None else _one_for_all_layers(width, f"{arch}.expert_feed_forward_length")
+    if arch == "deepseek2":
+        return deepseek_experts(get, experts, used, width)
     out = {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": width}
     if arch != "qwen35moe":  # (Qwen3.5-MoE's config has no such keys: experts on every layer, always renormalised)
         out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
@@ -291,9 +305,11 @@ class _Weight(NamedTuple):
 def _weights(path: str, reader) -> tuple[dict[str, Any], str, list[_Weight]]:
     """The file's HF config, its architecture, and each weight under its HF name, merged expert
     tensors split into one weight per expert and projection (views of the file, not copies; a
-    hybrid's tensors in Hugging Face's form, ``gguf_hybrid``), layers past the model's (MTP) left out."""
+    hybrid's tensors and DeepSeek's ``kv_b_proj`` in Hugging Face's form, ``gguf_hybrid`` and
+    ``gguf_deepseek``), layers past the model's (MTP) left out."""
     cfg = gguf_hf_config(path, reader)
     arch = _field(reader, "general.architecture")
+    by_name = {t.name: t for t in reader.tensors}
     weights = []
     for t in reader.tensors:
         block = t.name.split(".")
@@ -301,10 +317,14 @@ def _weights(path: str, reader) -> tuple[dict[str, Any], str, list[_Weight]]:
             continue
         parts = gguf_expert_names(t.name, arch)
         if parts is not None:
-            weights.extend(_split_experts(t, parts, cfg.get("num_experts") or cfg.get("num_local_experts") or 0))
+            weights.extend(_split_experts(t, parts, cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0))
             continue
         if arch in HYBRID_ARCHITECTURES:
             weights.extend(_Weight(t.name, hf, qtype, data, int(t.shape[0])) for hf, qtype, data in hybrid_weights(t.name, t.tensor_type, t.data, arch, cfg))
+            continue
+        if arch == "deepseek2":  # (a rebuilt kv_b_proj's columns are its values' last axis, not its sources')
+            weights.extend(_Weight(t.name, hf, qtype, data, int(data.shape[-1]) if int(qtype) in DENSE_TYPES else int(t.shape[0]))
+                           for hf, qtype, data in deepseek_weights(t.name, t.tensor_type, t.data, by_name))  # fmt: skip
             continue
         hf = gguf_to_hf_name(t.name, arch)
         if hf is not None:

@@ -16,6 +16,10 @@ Face checkpoints hold one tensor per expert: ``gguf_expert_names`` says how a me
 GPT-OSS's converter splits the checkpoint's interleaved ``gate_up_proj`` into ``ffn_gate_exps`` and
 ``ffn_up_exps`` (biases too, ``.bias`` [experts, rows]), transposes each expert to [rows, columns],
 repacks MXFP4 experts as GGUF's ``MXFP4`` blocks, and names the sinks ``attn_sinks.weight``.
+
+DeepSeek-V2 and V3 (``deepseek2``) keep Hugging Face's layout but for the latent attention's
+``kv_b_proj``, which newer files hold split per head (``attn_k_b`` transposed, ``attn_v_b``):
+``gguf_deepseek`` rebuilds it. Their RoPE rows stay in the checkpoint's interleaved order.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {  # GGUF architecture -> (HF class,
     "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "deepseek2": ("DeepseekV2ForCausalLM", "deepseek_v2"),  # V3 where the router is a sigmoid (gguf_deepseek)
 }
 WITH_EXPERTS: dict[str, tuple[str, str]] = {"llama": ("MixtralForCausalLM", "mixtral")}  # files with an expert_count
 ROPE_PERMUTED = frozenset({"llama", "mistral", "smollm3"})  # q/k rows in llama.cpp's interleaved order
@@ -91,6 +96,23 @@ _HYBRID = {  # Qwen3-Next, Qwen3.5, Qwen3.5-MoE (gguf_hybrid.py undoes what the 
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_DEEPSEEK2 = {  # DeepSeek-V2/V3 (``attn_k_b``/``attn_v_b``, kv_b_proj split, are gguf_deepseek's)
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",  # V2-Lite: no query compression
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # whole, in files from before the converter split it
+    "attn_output": "self_attn.o_proj",
+    **_MLP,  # the leading dense layers
+    **_ROUTER,
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 _GPT_OSS = {  # the router keeps its bias (``ffn_gate_inp.bias``); experts' biases are merged as their weights
     "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -102,13 +124,14 @@ _HYBRID_PARAMETERS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.
 PARAMETER_NAMES: dict[str, dict[str, str]] = {
     "qwen3next": _HYBRID_PARAMETERS, "qwen35": _HYBRID_PARAMETERS, "qwen35moe": _HYBRID_PARAMETERS,
     "gpt-oss": {"attn_sinks.weight": "self_attn.sinks"},
+    "deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},  # V3's router correction bias
 }  # fmt: skip
 LAYER_NAMES: dict[str, dict[str, str]] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA,
     "gemma2": _GEMMA, "gemma3": _GEMMA, "phi3": _PHI3, "qwen3moe": _LLAMA, "qwen3next": _HYBRID, "qwen35": _HYBRID,
-    "qwen35moe": _HYBRID, "gpt-oss": _GPT_OSS,
+    "qwen35moe": _HYBRID, "gpt-oss": _GPT_OSS, "deepseek2": _DEEPSEEK2,
 }  # fmt: skip
-EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe", "gpt-oss"})  # where a file may hold experts
+EXPERT_ARCHITECTURES = frozenset({"llama", "qwen3moe", "qwen3next", "qwen35moe", "gpt-oss", "deepseek2"})  # where a file may hold experts
 # merged expert tensor -> the projections its rows hold, in order (each part an equal share of the rows)
 MERGED_EXPERTS = {
     "ffn_gate_exps": ("gate_proj",),

@@ -4,8 +4,10 @@ A family's model builds its linear layers as ``nn.Linear`` on the meta device (n
 every stored weight, ``install_stored`` asks the model where the Hugging Face name goes
 (``weight_target``: a parameter and a row offset in it, as fused q/k/v and gate/up projections
 take several checkpoint tensors) and replaces each such layer with the one layer its parts join
-into (``radixlm.runtime.layers.stored_weight.join_stored``). ``materialize`` then allocates what
-is still on the meta device, so the dense copy of a stored weight is never made.
+into (``radixlm.runtime.layers.stored_weight.join_stored``). A family that reorders a tensor's rows
+at load (DeepSeek's RoPE rows) gives the stored weight in that order (the model's
+``stored_weight``, where it has one). ``materialize`` then allocates what is still on the meta
+device, so the dense copy of a stored weight is never made.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ EMBEDDING = "model.embed_tokens.weight"
 def install_stored(model: nn.Module, stored: dict[str, StoredWeight], device: torch.device, dtype: torch.dtype) -> None:
     """Replace the layers of ``model`` that ``stored`` holds weights for with layers over those weights."""
     groups: dict[str, list[tuple[int, StoredWeight]]] = defaultdict(list)
+    in_model_order = getattr(model, "stored_weight", None)
     for name, weight in stored.items():
         if name == EMBEDDING and isinstance(weight, GGUFWeight):
             continue
@@ -35,6 +38,8 @@ def install_stored(model: nn.Module, stored: dict[str, StoredWeight], device: to
             continue
         if not target.endswith(".weight"):
             raise ValueError(f"stored weight {name!r} maps to {target!r}, not a layer's weight")
+        if in_model_order is not None:
+            weight = in_model_order(name, weight)
         groups[target.removesuffix(".weight")].append((offset or 0, weight))
     for path, parts in groups.items():
         old = model.get_submodule(path)

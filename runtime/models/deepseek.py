@@ -12,6 +12,8 @@ The checkpoints rotate RoPE over interleaved pairs ``(x0, x1), (x2, x3), …`` o
 (V2 always, V3 where ``rope_interleave``). The decoder rotates halves (``x_i`` with ``x_{i+P/2}``),
 so the rope rows of the query projection and of ``kv_a_proj_with_mqa`` are permuted at load
 (evens first, then odds): both sides of every score move alike, so the scores are unchanged.
+A projection kept as GGUF blocks (a GGUF file, whose converter leaves these rows as the checkpoint
+has them) moves its rows of blocks the same way; other stored formats are installed as they are.
 
 Not run: the multi-token-prediction layer of V3 checkpoints (``model.layers.{num_hidden_layers}``
 is skipped at load), the C++ decode stack and CUDA graphs (latent attention has no stack form;
@@ -25,6 +27,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from radixlm.runtime.layers.gguf_linear import GGUFWeight
+from radixlm.runtime.layers.stored_weight import StoredWeight
 from radixlm.runtime.models.dense import DenseForCausalLM
 from radixlm.runtime.models.registry import register_family
 
@@ -47,17 +51,32 @@ class DeepseekForCausalLM(DenseForCausalLM):
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors without the MTP layer, with interleaved RoPE rows put in rotate-half order."""
-        cfg = self.config
-        mla = cfg.mla
         for name, source in super().checkpoint_tensors(weights):
             layer = _LAYER.match(name)
-            if layer is not None and int(layer.group(1)) >= cfg.num_layers:
+            if layer is not None and int(layer.group(1)) >= self.config.num_layers:
                 continue  # the multi-token-prediction layer
-            if mla.rope_interleave and _QUERY.search(name):
-                source = deinterleave(source[:], mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.qk_head_dim)
-            elif mla.rope_interleave and _LATENT.search(name):
-                source = deinterleave(source[:], mla.kv_lora_rank, mla.qk_rope_head_dim, mla.row_dim)
-            yield name, source
+            rows = self._rope_rows(name)
+            yield name, source if rows is None else deinterleave(source[:], *rows)
+
+    def stored_weight(self, name: str, weight: StoredWeight) -> StoredWeight:
+        """A stored weight with its rows in ``checkpoint_tensors``' order: a GGUF weight's interleaved
+        RoPE rows of blocks reordered as a plain tensor's rows are."""
+        rows = self._rope_rows(name)
+        if rows is None or not isinstance(weight, GGUFWeight):
+            return weight
+        return GGUFWeight(weight.qtype, deinterleave(weight.blocks, *rows), weight.in_features)
+
+    def _rope_rows(self, name: str) -> tuple[int, int, int] | None:
+        """Where the interleaved RoPE rows of tensor ``name`` lie (``deinterleave``'s start, width and
+        period), or None where it has none to reorder."""
+        mla = self.config.mla
+        if not mla.rope_interleave:
+            return None
+        if _QUERY.search(name):
+            return mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.qk_head_dim
+        if _LATENT.search(name):
+            return mla.kv_lora_rank, mla.qk_rope_head_dim, mla.row_dim
+        return None
 
     def weight_target(self, name: str) -> tuple[str | None, int | None]:
         """As the dense decoder's, but a plain ``q_proj`` (V2-Lite) is latent attention's own, not part of a fused q/k/v."""
