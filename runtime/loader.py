@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -133,11 +134,11 @@ def load_model(
     shard = None if rank is None else plan_shard(cfg, rank, size)
     with torch.device("meta"):
         model = family_for(cfg.architecture)(cfg, shard, group)
-    install_stored(model, checkpoint.stored, device, dtype)
+    dequantized = install_stored(model, checkpoint.stored, device, dtype)
     materialize(model, device, dtype)
     model.rebuild_buffers(device)
     with torch.no_grad():
-        model.load_weights(checkpoint.plain())
+        model.load_weights(itertools.chain(checkpoint.plain(), dequantized))
     model.eval()
     del checkpoint
     release_freed_heap()

@@ -3,6 +3,8 @@ FP8 layer, never held dense."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from quantized_checkpoints import (
@@ -145,3 +147,28 @@ def test_loaded_model_is_fp8_and_generates_as_its_dense_values(folders, name):
     (output, logprobs), (dense_output, dense_logprobs) = engine_greedy(str(qdir), PROMPT), engine_greedy(str(dense_dir), PROMPT)
     assert output == dense_output
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(dense_logprobs), atol=1e-4, rtol=0)  # the same math in float32
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "ct-channel"])
+def test_a_deepseek_fp8_checkpoint_moves_its_rope_rows_as_the_dense_one(tmp_path, name):
+    """DeepSeek's interleaved RoPE rows (query and kv_a projections) are reordered at load: stored
+    FP8 weights move theirs as stored, rows with their per-channel scales or inside their blocks of
+    rows (32 here: each head's RoPE rows lie in one), and decode as the dense folder of their values."""
+    from helpers import make_tiny_model
+    from radixlm.runtime.loader import load_model
+
+    src = make_tiny_model("deepseek_v3", tmp_path / "src")
+    every_linear = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.[\w.]*_proj(_with_mqa)?\.weight$").search  # experts' and kv_b_proj too
+    values = write_quantized(src, tmp_path / "q", tmp_path / "dense", quantizer(name), CASES[name][2], only=every_linear)
+    assert any("kv_a_proj_with_mqa" in n for n in values)
+    model, _ = load_model(str(tmp_path / "q"), torch.float32, torch.device("cpu"))
+    assert any(isinstance(m, FP8Linear) for n, m in model.named_modules() if n.endswith("kv_a_proj_with_mqa"))
+    (output, logprobs), (dense_output, dense_logprobs) = engine_greedy(str(tmp_path / "q"), PROMPT), engine_greedy(str(tmp_path / "dense"), PROMPT)
+    assert output == dense_output
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(dense_logprobs), atol=1e-4, rtol=0)
+
+
+def test_rows_that_would_leave_their_fp8_scale_block_are_not_moved():
+    weight = FP8Weight(4, 2, torch.zeros(4, 2, dtype=torch.uint8), torch.ones(2, 1), (2, 2))
+    assert weight.take_rows(torch.tensor([1, 0, 3, 2])) is not None
+    assert weight.take_rows(torch.tensor([2, 1, 0, 3])) is None

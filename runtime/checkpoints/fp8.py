@@ -64,6 +64,18 @@ class FP8Weight(StoredWeight):
         """The scale as float32 ``[N]`` per output row (not for block scales)."""
         return self.scale.reshape(-1).expand(self.out_features).contiguous() if self.scale.numel() == 1 else self.scale.reshape(-1)
 
+    def take_rows(self, order: torch.Tensor) -> FP8Weight | None:
+        """The float8 rows in ``order`` with their scales (a per-channel scale moves with its row);
+        under block scales only where every row stays in its block of rows (None otherwise)."""
+        if self.block is not None:
+            bn = self.block[0]
+            if not torch.equal(order // bn, torch.arange(len(order)) // bn):
+                return None
+            scale = self.scale
+        else:
+            scale = self.scale if self.scale.numel() == 1 else self.scale.reshape(-1)[order]
+        return FP8Weight(self.out_features, self.in_features, self.weight[order], scale, self.block, self.method)
+
     def dequantize(self) -> torch.Tensor:
         """``float(weight) * scale`` in float32."""
         w = self.weight.view(torch.float8_e4m3fn).float()

@@ -26,10 +26,14 @@ logger = logging.getLogger(__name__)
 EMBEDDING = "model.embed_tokens.weight"
 
 
-def install_stored(model: nn.Module, stored: dict[str, StoredWeight], device: torch.device, dtype: torch.dtype) -> None:
-    """Replace the layers of ``model`` that ``stored`` holds weights for with layers over those weights."""
+def install_stored(model: nn.Module, stored: dict[str, StoredWeight], device: torch.device, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """Replace the layers of ``model`` that ``stored`` holds weights for with layers over those
+    weights; returns, dequantized under their checkpoint names, the stored weights whose target is
+    a parameter of something other than a linear layer (DeepSeek's ``kv_b_proj``, which latent
+    attention splits per head), for the caller to load with the plain tensors."""
     groups: dict[str, list[tuple[int, StoredWeight]]] = defaultdict(list)
     in_model_order = getattr(model, "stored_weight", None)
+    dense: list[tuple[str, torch.Tensor]] = []
     for name, weight in stored.items():
         if name == EMBEDDING and isinstance(weight, GGUFWeight):
             continue
@@ -38,6 +42,10 @@ def install_stored(model: nn.Module, stored: dict[str, StoredWeight], device: to
             continue
         if not target.endswith(".weight"):
             raise ValueError(f"stored weight {name!r} maps to {target!r}, not a layer's weight")
+        if not isinstance(model.get_submodule(target.removesuffix(".weight")), nn.Linear):
+            logger.info("dequantizing %s (%s): its layer is not a linear layer", name, weight.format)
+            dense.append((name, weight.dequantize()))
+            continue
         if in_model_order is not None:
             weight = in_model_order(name, weight)
         groups[target.removesuffix(".weight")].append((offset or 0, weight))
@@ -55,6 +63,7 @@ def install_stored(model: nn.Module, stored: dict[str, StoredWeight], device: to
     embedding = stored.get(EMBEDDING)
     if isinstance(embedding, GGUFWeight):
         _install_embedding(model, embedding, device, dtype)
+    return dense
 
 
 def _install_embedding(model: nn.Module, weight: GGUFWeight, device: torch.device, dtype: torch.dtype) -> None:

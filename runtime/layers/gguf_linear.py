@@ -119,6 +119,10 @@ class GGUFWeight(StoredWeight):
         """The float32 matrix the blocks stand for."""
         return dequantize_blocks(self.blocks, self.qtype, self.in_features)
 
+    def take_rows(self, order: torch.Tensor) -> GGUFWeight:
+        """The rows of blocks in ``order`` (a row of blocks is a row of the matrix)."""
+        return GGUFWeight(self.qtype, self.blocks[order], self.in_features)
+
     @classmethod
     def join(cls, parts: Sequence[StoredWeight], bias: torch.Tensor | None, device: torch.device) -> nn.Module:
         """Q4_0/Q4_1 throughout: the int4 layer (Q4_0 alone: its Q4_0 tiles); else ``GGUFLinear`` where the C++ kernels run every

@@ -44,6 +44,11 @@ class StoredWeight(ABC):
     def dequantize(self) -> torch.Tensor:
         """The exact float32 ``[out_features, in_features]`` matrix the stored form represents."""
 
+    def take_rows(self, order: torch.Tensor) -> StoredWeight | None:
+        """The weight whose row ``i`` is this one's row ``order[i]``, in the same stored form, where
+        the form can move rows exactly; None where it cannot (the caller dequantizes or refuses)."""
+        return None
+
     @classmethod
     @abstractmethod
     def join(cls, parts: Sequence[StoredWeight], bias: torch.Tensor | None, device: torch.device) -> nn.Module:

@@ -12,8 +12,8 @@ The checkpoints rotate RoPE over interleaved pairs ``(x0, x1), (x2, x3), …`` o
 (V2 always, V3 where ``rope_interleave``). The decoder rotates halves (``x_i`` with ``x_{i+P/2}``),
 so the rope rows of the query projection and of ``kv_a_proj_with_mqa`` are permuted at load
 (evens first, then odds): both sides of every score move alike, so the scores are unchanged.
-A projection kept as GGUF blocks (a GGUF file, whose converter leaves these rows as the checkpoint
-has them) moves its rows of blocks the same way; other stored formats are installed as they are.
+A projection kept as stored (GGUF blocks: the converter leaves these rows as the checkpoint has
+them; FP8 with its scales) moves its rows the same way; a form that cannot (AWQ/GPTQ) is refused.
 
 Not run: the multi-token-prediction layer of V3 checkpoints (``model.layers.{num_hidden_layers}``
 is skipped at load), the C++ decode stack and CUDA graphs (latent attention has no stack form;
@@ -27,7 +27,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from radixlm.runtime.layers.gguf_linear import GGUFWeight
 from radixlm.runtime.layers.stored_weight import StoredWeight
 from radixlm.runtime.models.dense import DenseForCausalLM
 from radixlm.runtime.models.registry import register_family
@@ -59,12 +58,16 @@ class DeepseekForCausalLM(DenseForCausalLM):
             yield name, source if rows is None else deinterleave(source[:], *rows)
 
     def stored_weight(self, name: str, weight: StoredWeight) -> StoredWeight:
-        """A stored weight with its rows in ``checkpoint_tensors``' order: a GGUF weight's interleaved
-        RoPE rows of blocks reordered as a plain tensor's rows are."""
+        """A stored weight with its rows in ``checkpoint_tensors``' order: the interleaved RoPE rows
+        reordered as a plain tensor's rows are (GGUF rows of blocks; FP8 rows with their per-channel
+        scales, or inside their blocks of rows). A form that cannot move its rows is refused by name."""
         rows = self._rope_rows(name)
-        if rows is None or not isinstance(weight, GGUFWeight):
+        if rows is None:
             return weight
-        return GGUFWeight(weight.qtype, deinterleave(weight.blocks, *rows), weight.in_features)
+        moved = weight.take_rows(deinterleave(torch.arange(weight.out_features).unsqueeze(1), *rows).squeeze(1))
+        if moved is None:
+            raise ValueError(f"{name}: its RoPE rows must be reordered at load, which a {weight.format} weight cannot do as stored; load the checkpoint dequantized (--quantization none)")
+        return moved
 
     def _rope_rows(self, name: str) -> tuple[int, int, int] | None:
         """Where the interleaved RoPE rows of tensor ``name`` lie (``deinterleave``'s start, width and
