@@ -150,10 +150,7 @@ def write_gguf(hf_folder: str, out: Path, type_of) -> Path:
             writer.add_tensor(gname, np.ascontiguousarray(arr))
         else:
             writer.add_tensor(gname, quantize(arr, qtype), raw_dtype=GGMLQuantizationType[qtype])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer)
     return out
 
 
@@ -190,6 +187,22 @@ def _gguf_tensor(w, name: str, arr: np.ndarray, qtype: str) -> None:
     else:
         blocks = quantize(arr.reshape(-1, arr.shape[-1]), qtype)
         w.add_tensor(name, blocks.reshape(*arr.shape[:-1], blocks.shape[-1]), raw_dtype=GGMLQuantizationType[qtype])
+
+
+def _add_as(w, name: str, arr: np.ndarray, qtype: str) -> None:
+    """Add ``arr`` as ``qtype``, F16 included (the converters' fall-back for tensors a type cannot hold)."""
+    if qtype == "F16":
+        w.add_tensor(name, arr.astype(np.float16))
+    else:
+        _gguf_tensor(w, name, arr, qtype)
+
+
+def _finish(w) -> None:
+    """Write the header, the metadata and the tensors, and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def _experts_as_written(tensors: dict[str, np.ndarray], layout: str) -> dict[str, np.ndarray]:
@@ -338,10 +351,7 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
             arr = _permute(arr, heads if "q_proj" in name else kv_heads)
         qtype = type_of(gname) if arr.ndim >= 2 and not gname.endswith(("ffn_gate_inp.weight", ".bias")) else "F32"
         _gguf_tensor(w, gname, arr, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return out
 
 
@@ -366,10 +376,7 @@ def metadata_gguf(path: Path, arch: str, kv: dict, layers: int = 2) -> str:
         else:
             w.add_uint32(name, value)
     w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return str(path)
 
 
@@ -532,15 +539,8 @@ def write_hybrid_gguf(hf_folder: str, out: Path, outtype: str = "F32", ssm_in: b
             arr = (-torch.exp(torch.from_numpy(arr))).numpy()
         elif name.endswith("norm.weight") and not name.endswith(".ssm_norm.weight"):
             arr = arr + np.float32(1)
-        qtype = hybrid_type(name, arr, outtype)
-        if qtype == "F16":
-            w.add_tensor(name, arr.astype(np.float16))
-        else:
-            _gguf_tensor(w, name, arr, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        _add_as(w, name, arr, hybrid_type(name, arr, outtype))
+    _finish(w)
     return out
 
 
@@ -655,13 +655,6 @@ def write_deepseek_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", k
     if cfg.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     for name, arr in deepseek_gguf_layout(cfg, tensors, kv_b).items():
-        qtype = deepseek_type(name, arr, type_of(name))
-        if qtype == "F16":
-            w.add_tensor(name, arr.astype(np.float16))
-        else:
-            _gguf_tensor(w, name, arr, qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        _add_as(w, name, arr, deepseek_type(name, arr, type_of(name)))
+    _finish(w)
     return out

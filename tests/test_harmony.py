@@ -284,3 +284,11 @@ def test_reasoning_effort_reaches_the_template(server, harmony_model):
         res = httpx.post(url + "/v1/responses", json={"model": "oss", "input": ASK[0]["content"], "max_output_tokens": 1, "reasoning": {"effort": effort}}, timeout=60).json()
         assert res["usage"]["input_tokens"] == want, res
     assert counts["low"] != counts["high"], "the efforts render differently"
+
+
+def test_a_streamed_harmony_answer_carries_every_tokens_logprob(server):
+    _, client = server
+    kw = dict(model="oss", messages=ASK, max_tokens=40, temperature=0, logprobs=True, extra_body={"max_reasoning_tokens": 3}, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    whole = [e.token for e in client.chat.completions.create(**kw).choices[0].logprobs.content]
+    streamed = [e.token for chunk in client.chat.completions.create(stream=True, **kw) for c in chunk.choices if c.logprobs for e in c.logprobs.content or []]
+    assert streamed == whole and M in whole, "markers included, as the non-streamed answer lists them"

@@ -72,6 +72,9 @@ async def stream_events(ticket: Ticket, plan: Plan, started: list[tuple[int, Any
                     out = dataclasses.replace(out, text=answer)
                 if channels:
                     pieces = harmony_pieces(plan, idx, out, channels[idx])
+                    if plan.logprobs is not None and (logprobs := _new_logprobs(plan, idx, out, sent_lp))["content"]:
+                        pieces = pieces or [{"index": idx, "delta": {}, "logprobs": None, "finish_reason": None}]
+                        pieces[-1]["logprobs"] = logprobs  # the new tokens' (markers included), on the output's last chunk
                 else:
                     pieces = tool_pieces(plan, idx, out, tools[idx]) if tools else [_stream_piece(state, plan, idx, out, sent, sent_lp)]
                 pieces = [p for p in pieces if p is not None]
@@ -85,20 +88,23 @@ async def stream_events(ticket: Ticket, plan: Plan, started: list[tuple[int, Any
         yield {"id": plan.id, "object": kind, "created": created, "model": plan.model, "choices": [], "usage": answer_usage(plan, finals)}
 
 
+def _new_logprobs(plan: Plan, idx: int, out: ReqOutput, sent_lp: dict) -> dict[str, Any]:
+    """The ``logprobs`` object of choice ``idx``'s output tokens not sent yet (and mark them sent)."""
+    entries, tops = token_entries(out, False)
+    # entries[0] is output token ``first``: 0 when outputs carry cumulative entries, the
+    # number already sent when a streamed output carries only the new ones
+    first = getattr(out, "output_logprob_offset", 0)
+    skip = max(sent_lp[idx] - first, 0)
+    new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[skip:], "output_top_logprobs": tops[skip:]}, False)
+    sent_lp[idx] = first + len(entries)
+    return chat_logprobs(new) if plan.chat else completion_logprobs(Plan(**{**plan.__dict__, "echo": False}), new)
+
+
 def _stream_piece(state: ServerState, plan: Plan, idx: int, out: ReqOutput, sent: dict, sent_lp: dict) -> dict[str, Any] | None:
     """The chunk choice for a new output of choice ``idx`` (None when there is nothing to send)."""
     delta_text = out.text[sent[idx] :]
     sent[idx] = len(out.text)
-    logprobs = None
-    if plan.logprobs is not None:
-        entries, tops = token_entries(out, False)
-        # entries[0] is output token ``first``: 0 when outputs carry cumulative entries, the
-        # number already sent when a streamed output carries only the new ones
-        first = getattr(out, "output_logprob_offset", 0)
-        skip = max(sent_lp[idx] - first, 0)
-        new = ReqOutput(out.rid, "", [], {"output_token_logprobs": entries[skip:], "output_top_logprobs": tops[skip:]}, False)
-        sent_lp[idx] = first + len(entries)
-        logprobs = chat_logprobs(new) if plan.chat else completion_logprobs(Plan(**{**plan.__dict__, "echo": False}), new)
+    logprobs = _new_logprobs(plan, idx, out, sent_lp) if plan.logprobs is not None else None
     if not plan.chat:
         if not delta_text and not out.finished:
             return None
