@@ -23,9 +23,12 @@ hidden state ``h_p`` at position ``p`` before the final norm and the token ``x_{
     u = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)])     embedding first, then the hidden state
     h'_p = decoder_layer(u)  (its own latent KV at position p)   logits(x_{p+2}) = head(shared_head.norm(h'_p))
 
-as SGLang's and vLLM's DeepSeek NextN/MTP modules concatenate (the paper writes the two the other
-way round; the checkpoints' ``eh_proj`` is trained on embedding first). Chained drafts feed
-``h'_p`` (before ``shared_head.norm``) as the next hidden state.
+The concatenation order (embedding first) and the norms (``enorm`` on the embedding, ``hnorm`` on
+the hidden state, ``shared_head.norm`` before the head) follow SGLang's and vLLM's DeepSeek
+NextN/MTP modules (the paper writes the two halves the other way round). The hidden state fed is
+the target's before its final norm, as issue 36 specifies; public engines differ on this (SGLang
+feeds what its logits processor captured, with a before-norm option), which moves acceptance
+only, never the output. Chained drafts feed ``h'_p`` (before ``shared_head.norm``).
 
 Not run: the C++ decode stack and CUDA graphs (latent attention has no stack form; the PyTorch
 attention backend serves the latent pool).
