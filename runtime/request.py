@@ -121,7 +121,7 @@ class Req:
     constraint_warnings: tuple[str, ...] = ()  # what the constraint does not enforce (an unknown format, ...)
     draft_ids: list[int] = field(default_factory=list)  # proposed tokens (forced text or speculation), unverified
     draft_probs: torch.Tensor | None = None  # float32 [len(draft_ids), V]: a draft model's q; None = deterministic
-    draft_source: str = ""  # who proposed draft_ids: "", "jump_forward", "ngram", "prediction" or "draft"
+    draft_source: str = ""  # who proposed draft_ids: "", "jump_forward", "ngram", "prediction", "draft" or "mtp"
     accepted_draft_tokens: int = 0  # output tokens that came from verified jump-forward drafts
     prediction_ids: list[int] = field(default_factory=list)  # tokens of the client's predicted output (OpenAI prediction)
     spec_verify_passes: int = 0  # passes that verified speculative drafts (not jump-forward)

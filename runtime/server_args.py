@@ -57,7 +57,7 @@ class ServerArgs:
     disable_decode_stack: bool = _opt(False, "On CPUs, run decode steps through the Python layers instead of the C++ decoder stack (every layer of a step in one call; the same results); for comparisons.")
     disable_cuda_graph: bool = _opt(False, "On CUDA, run every decode step eagerly instead of replaying a captured CUDA graph of the whole forward (one per batch-size bucket, captured on first use; the same results up to float rounding, as a padded batch may take other matmul kernels).")
     cuda_graph_max_bs: int = _opt(32, "Largest decode batch replayed from a CUDA graph (buckets 1, 2, 4, 8, then every 8); larger batches run eagerly.")
-    speculative_algorithm: str | None = _opt(None, "Speculative decoding: ngram (propose the continuation of the latest n-gram match in the request's own prompt and output, in its OpenAI prediction, and in recent outputs of all requests; no extra model) or draft (a smaller model proposes; see --speculative-draft-model-path). Each request speculates only while its measured acceptance pays and the running batch is small. Greedy output is unchanged; sampling keeps the model's distribution. Default: off (a request with an OpenAI prediction still speculates from it).", choices=[None, "ngram", "draft"])
+    speculative_algorithm: str | None = _opt(None, "Speculative decoding: ngram (propose the continuation of the latest n-gram match in the request's own prompt and output, in its OpenAI prediction, and in recent outputs of all requests; no extra model) draft (a smaller model proposes; see --speculative-draft-model-path), or mtp (a DeepSeek-V3 checkpoint's own multi-token-prediction layer proposes from the model's hidden states; only for checkpoints that carry its weights). Each request speculates only while its measured acceptance pays and the running batch is small. Greedy output is unchanged; sampling keeps the model's distribution. Default: off (a request with an OpenAI prediction still speculates from it).", choices=[None, "ngram", "draft", "mtp"])
     speculative_num_draft_tokens: int = _opt(4, "Most tokens proposed per request per step (1-16); each is one more position in the verifying pass.")
     speculative_draft_model_path: str | None = _opt(None, "With --speculative-algorithm draft: folder or .gguf of a smaller model with the same tokenizer; default: the target's own weights quantized (self-speculation).")
     speculative_draft_quantization: str | None = _opt(None, "With --speculative-algorithm draft: quantize the draft model's weights to int8 or int4 (default for a self-draft: int4).", choices=[None, "int8", "int4"])
@@ -112,8 +112,8 @@ class ServerArgs:
             raise ValueError(f"tp_size must be a positive integer, got {self.tp_size!r}")
         if self.tp_timeout <= 0:
             raise ValueError(f"tp_timeout must be positive, got {self.tp_timeout}")
-        if self.tp_size > 1 and self.speculative_algorithm == "draft":
-            raise ValueError("speculative_algorithm='draft' does not run with tp_size > 1 yet (use 'ngram', which needs no draft model)")
+        if self.tp_size > 1 and self.speculative_algorithm in ("draft", "mtp"):
+            raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} does not run with tp_size > 1 yet (use 'ngram', which needs no draft model)")
         for name in ("context_length", "max_total_tokens", "num_threads"):
             v = getattr(self, name)
             if v is not None and v <= 0:

@@ -23,7 +23,7 @@ class MoEConfig:
 
     router: RouterSpec
     intermediate_size: int  # each routed expert's
-    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP
+    sparse_layers: tuple[bool, ...]  # per layer (then per MTP layer): experts (True) or a dense MLP
     shared_intermediate_size: int = 0  # DeepSeek's shared experts, as one MLP (0: none)
     shared_gate: bool = False  # Qwen3-Next: the shared expert's output scaled by a learned sigmoid gate per token
     expert_bias: bool = False  # GPT-OSS: the experts' projections have biases
@@ -42,6 +42,7 @@ class MoEConfig:
             raise ValueError(f"a mixture-of-experts config ({experts} experts) needs num_experts_per_tok")
         if family.startswith("deepseek"):  # dense first_k_dense_replace layers, then experts every moe_layer_freq layers
             first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+            layers += cfg.get("num_nextn_predict_layers") or 0  # the MTP layers after the model's follow the same rule
             sparse = tuple(i >= first and i % freq == 0 for i in range(layers))
         else:  # Qwen3-MoE: every decoder_sparse_step-th layer not in mlp_only_layers; Mixtral, GPT-OSS: every layer
             step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
@@ -104,6 +105,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
     moe: MoEConfig | None = None  # a mixture of experts: its routing and expert layers
     mla: MLASpec | None = None  # DeepSeek's multi-head latent attention (its KV pool is latent)
+    mtp_layers: int = 0  # DeepSeek-V3: multi-token-prediction layers after the model's (``num_nextn_predict_layers``)
     linear: GatedDeltaSpec | None = None  # hybrid models: the Gated DeltaNet layers' shapes (layer_types "linear_attention")
 
     def kv_layout(self, num_kv_heads: int | None = None) -> tuple[int, int, int | None]:
@@ -220,6 +222,7 @@ class ModelConfig:
             partial_rotary_factor=float(_rope_field(global_rope, "partial_rotary_factor", 1.0)),
             moe=MoEConfig.from_hf_dict(cfg, family),
             mla=mla,
+            mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if family == "deepseek_v3" else 0,
             linear=_linear_spec(cfg),
         )
 

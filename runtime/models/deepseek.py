@@ -15,19 +15,38 @@ so the rope rows of the query projection and of ``kv_a_proj_with_mqa`` are permu
 A projection kept as stored (GGUF blocks: the converter leaves these rows as the checkpoint has
 them; FP8 with its scales) moves its rows the same way; a form that cannot (AWQ/GPTQ) is refused.
 
-Not run: the multi-token-prediction layer of V3 checkpoints (``model.layers.{num_hidden_layers}``
-is skipped at load), the C++ decode stack and CUDA graphs (latent attention has no stack form;
-the PyTorch attention backend serves the latent pool).
+The multi-token-prediction (MTP) layer of V3 checkpoints (``model.layers.{num_hidden_layers}``)
+is skipped when the model loads; ``DeepseekMTP`` holds it as a separate module, the
+draft of ``--speculative-algorithm mtp`` (``radixlm.runtime.speculative.mtp``). From the target's
+hidden state ``h_p`` at position ``p`` before the final norm and the token ``x_{p+1}``::
+
+    u = eh_proj([enorm(embed(x_{p+1})) | hnorm(h_p)])     embedding first, then the hidden state
+    h'_p = decoder_layer(u)  (its own latent KV at position p)   logits(x_{p+2}) = head(shared_head.norm(h'_p))
+
+The concatenation order (embedding first) and the norms (``enorm`` on the embedding, ``hnorm`` on
+the hidden state, ``shared_head.norm`` before the head) follow SGLang's and vLLM's DeepSeek
+NextN/MTP modules (the paper writes the two halves the other way round). The hidden state fed is
+the target's before its final norm, as issue 36 specifies; public engines differ on this (SGLang
+feeds what its logits processor captured, with a before-norm option), which moves acceptance
+only, never the output. Chained drafts feed ``h'_p`` (before ``shared_head.norm``).
+
+Not run: the C++ decode stack and CUDA graphs (latent attention has no stack form; the PyTorch
+attention backend serves the latent pool).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 
+from radixlm.runtime.layers.forward_batch import ForwardBatch
+from radixlm.runtime.layers.norm import RMSNorm
 from radixlm.runtime.layers.stored_weight import StoredWeight
+from radixlm.runtime.models.config import ModelConfig
 from radixlm.runtime.models.dense import DenseForCausalLM
 from radixlm.runtime.models.registry import register_family
 
@@ -87,3 +106,75 @@ class DeepseekForCausalLM(DenseForCausalLM):
         if plain is not None:
             return f"layers.{plain.group(1)}.self_attn.q_proj.{plain.group(2)}", None
         return super().weight_target(name)
+
+
+SHARED_PARAMS = ("embed_tokens.weight", "lm_head.weight")  # the MTP's parameters the target may lend it
+
+
+class DeepseekMTP(DeepseekForCausalLM):
+    """DeepSeek-V3's multi-token-prediction layer: ``enorm``, ``hnorm``, ``eh_proj``, one decoder
+    layer (latent attention over its own one-layer pool, experts) and the shared head's norm."""
+
+    def __init__(self, cfg: ModelConfig, source_layer: int) -> None:
+        super().__init__(cfg)
+        self.source_layer = source_layer  # the checkpoint's index of this layer (``num_hidden_layers``)
+        hidden = cfg.hidden_size
+        self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP's hidden states ``[T, hidden]`` before ``shared_head.norm``, for tokens ``x_{p+1}``
+        (``batch.input_ids``) at positions ``p`` and the previous hidden states ``h_p`` (``hidden``)."""
+        x = self.embed(batch.input_ids)
+        x = self.eh_proj(torch.cat([self.enorm(x), self.hnorm(hidden.to(x.dtype))], dim=-1))
+        x, residual = self.layers[0](self.rope_tables(batch.positions, x.dtype), x, None, batch)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of the MTP's pre-norm hidden states (``shared_head.norm``, then the head)."""
+        return super().compute_logits(self.norm(hidden))
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The MTP layer's tensors only, renamed as a one-layer model's (its decoder layer as layer 0)."""
+        return super().checkpoint_tensors(self._renamed(weights))
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        prefix = f"model.layers.{self.source_layer}."
+        own = {"shared_head.norm.weight": "model.norm.weight", "shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "model.embed_tokens.weight",
+               "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight"}  # fmt: skip
+        for name, source in weights:
+            if name.startswith(prefix):
+                rest = name[len(prefix) :]
+                yield own.get(rest, "model.layers.0." + rest), source
+
+    def _check_complete(self, params: dict, loaded: set[str]) -> None:
+        """As the model's, but the embedding and head may be absent (the target's are used)."""
+        super()._check_complete({k: v for k, v in params.items() if k not in SHARED_PARAMS or k in loaded}, loaded)
+
+    def share(self, target: DeepseekForCausalLM, loaded: set[str]) -> None:
+        """Use the target's embedding and head where the checkpoint has none for the MTP or equal ones."""
+        if "embed_tokens.weight" not in loaded or torch.equal(self.embed_tokens.weight, target.embed_tokens.weight):
+            self.embed_tokens = target.embed_tokens
+        target_head = target.embed_tokens if target.lm_head is None else target.lm_head
+        if self.lm_head is None or "lm_head.weight" not in loaded or torch.equal(self.lm_head.weight, target_head.weight):
+            self.lm_head, self.head_fp32 = target.lm_head, target.head_fp32
+            if target.lm_head is None:  # tied: the head is the target's embedding
+                self.lm_head = _TiedHead(target.embed_tokens)
+
+
+class _TiedHead(nn.Module):
+    """A head that is an embedding table (a tied target's)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.weight)
+
+
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """The config of a one-layer model holding the first MTP layer of ``cfg``."""
+    moe = cfg.moe if cfg.moe is None else dataclasses.replace(cfg.moe, sparse_layers=(cfg.sparse(cfg.num_layers),))
+    return dataclasses.replace(cfg, num_layers=1, moe=moe, mtp_layers=0, tie_word_embeddings=False)

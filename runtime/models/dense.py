@@ -231,6 +231,8 @@ class DenseForCausalLM(nn.Module):
 
     arch = DenseArch()
     plain_norms: tuple[str, ...] = ()  # norms that keep their weights as stored where the family's others add norm_offset
+    keep_hidden = False  # set by a proposer that reads each pass's pre-norm hidden states (DeepSeek's MTP)
+    kept_hidden: torch.Tensor | None = None  # while keep_hidden: the last pass's ``[T, hidden]`` before the final norm
 
     def __init__(self, cfg: ModelConfig, shard: TPShard | None = None, group: TPGroup | None = None) -> None:
         super().__init__()
@@ -273,12 +275,21 @@ class DenseForCausalLM(nn.Module):
         ropes = self.rope_tables(batch.positions, x.dtype)
         stacked = self.decode_stacks.run(x, ropes, batch)
         if stacked is not None:
-            x, residual = stacked
-            return self.norm.add_forward(x, residual)[1]
+            return self._final_norm(*stacked)
         residual = None
         for layer in self.layers:
             x, residual = layer(ropes, x, residual, batch)
-        return self.norm.add_forward(x, residual)[1] if residual is not None else self.norm(x)
+        return self._final_norm(x, residual)
+
+    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The final norm of the last block's output; the pre-norm sum kept in ``kept_hidden`` while ``keep_hidden``."""
+        if residual is None:
+            total, out = x, self.norm(x)
+        else:
+            total, out = self.norm.add_forward(x, residual)
+        if self.keep_hidden:
+            self.kept_hidden = total
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits (fp32) for the given hidden states (soft-capped where the family caps them)."""

@@ -89,6 +89,7 @@ class ForwardPass(Finishing):
                     self.kv.slide(req.kv, self.kv_window)
         if batch.state_pool is not None:
             self._commit_states(batch, rows)
+        self.speculator.observe(rows)  # an MTP draft takes the pass's hidden states (before another pass replaces them)
         return rows
 
     def _commit_states(self, batch: ForwardBatch, rows: list[Row]) -> None:

@@ -3,7 +3,7 @@
 The scheduler calls ``step`` once per forward pass with the requests that still decode and have
 no drafts (a grammar's forced text keeps priority). Drafts come from the first source that has
 some for a row: the request's OpenAI prediction, then the configured algorithm (n-gram prompt
-lookup, or a draft model). A request with a prediction speculates even when no algorithm is
+lookup, a draft model, or DeepSeek-V3's MTP layer, which ``observe`` hands each pass's rows). A request with a prediction speculates even when no algorithm is
 configured (prediction and prompt lookup only). The decoder verifies the drafts in the next
 pass and counts what it accepted; the next ``step`` (or ``release``) feeds that to the gate.
 """
@@ -11,6 +11,7 @@ pass and counts what it accepted; the next ``step`` (or ``release``) feeds that 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from radixlm.runtime.speculative.gate import Gate, GateConfig
 from radixlm.runtime.speculative.ngram import NgramProposer, PredictionProposer, RecentOutputs
 from radixlm.runtime.speculative.pass_cost import PassCost
 from radixlm.runtime.speculative.proposal import Proposal
+
+logger = logging.getLogger(__name__)
 
 DRAFT_COST_PRIOR = 0.5  # a draft position's cost in target passes until measured (probes measure it)
 TIME_DECAY = 0.9  # weight of the older timings in the running means
@@ -53,6 +56,10 @@ class Speculator:
             from radixlm.runtime.speculative.draft_model import DraftModelProposer
 
             self.model = DraftModelProposer(args, runner, tokenizer, kv)
+        elif self.algorithm == "mtp":
+            from radixlm.runtime.speculative.mtp import MtpProposer
+
+            self.model = MtpProposer(args, runner, tokenizer, kv)
         self._pending: dict[Req, _Pending] = {}
         self.pass_s: float | None = None  # running mean of a decode pass of the target (seconds)
         self.pass_cost = PassCost(prior=self.gate.config.position_cost)
@@ -63,6 +70,19 @@ class Speculator:
         self.accepted_tokens = 0
 
     # ------------------------------------------------------------------ step
+    def observe(self, rows: list) -> None:
+        """Hand a proposer that reads the target's hidden states (MTP) the pass just run over
+        ``rows`` (the scheduler's, in the batch's order, their drafts verified); nothing otherwise."""
+        observe = getattr(self.model, "observe", None)
+        if observe is None:
+            return
+        try:
+            observe(rows)
+        except Exception:  # speculation is an optimisation: the rows only lose what the pass would have given the draft
+            logger.exception("taking the target's hidden states for speculation failed")
+            for row in rows:
+                self.model.release(row.req)
+
     def step(self, reqs: list[Req], batch: int) -> None:
         """Settle last step's drafts and give the gated rows of ``reqs`` new drafts.
 
@@ -98,7 +118,7 @@ class Speculator:
             proposals = self.model.propose([rows[i] for i in left], [sizes[i] for i in left])
             self.draft_step_s = _mean(self.draft_step_s, (time.perf_counter() - t0) / max(sizes[i] for i in left))
             self.drafting_rows = len(left)
-            self._apply(rows, left, proposals, "draft")
+            self._apply(rows, left, proposals, self.model.name)
         else:
             proposals = self.ngram.propose([rows[i] for i in left], [sizes[i] for i in left], [own[i] for i in left])
             self._apply(rows, left, proposals, "ngram")
