@@ -168,3 +168,28 @@ def test_mtp_on_a_model_without_mtp_weights_is_refused_naming_the_option(tmp_pat
     (declared / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match="speculative_algorithm 'mtp'"):
         build_parts(ServerArgs(model_path=str(declared), max_total_tokens=2048, speculative_algorithm="mtp"))
+
+
+def test_an_fp8_checkpoints_mtp_layer_is_read_alone_and_drafts(mtp_dir, tmp_path):
+    """An FP8 (block-scaled) V3 with its MTP layer: the target serves its FP8 weights as stored,
+    the MTP reads only its own layer's tensors (dequantized), and greedy output is unchanged."""
+    import re
+
+    from quantized_checkpoints import fp8_quantize, fp8_value, write_quantized
+
+    from radixlm.runtime.checkpoints import folder
+
+    def quantize(key: str, w: torch.Tensor):
+        weight, scale = fp8_quantize(w, "block", (32, 32))
+        return {key: weight, key.replace(".weight", ".weight_scale_inv"): scale}, fp8_value(weight, scale, (32, 32))
+
+    every_linear = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.[\w.]*_proj(_with_mqa)?\.weight$").search
+    write_quantized(mtp_dir, tmp_path / "fp8", tmp_path / "dense", quantize, {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}, only=every_linear)
+    read = []
+    real = folder.dense_tensors
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("radixlm.runtime.speculative.mtp.dense_tensors", lambda path, prefix: read.extend(n for n, _ in real(path, prefix)) or real(path, prefix))
+        rt = _parts(str(tmp_path / "fp8"), "mtp")
+    assert read and all(n.startswith("model.layers.2.") for n in read) and any("eh_proj" in n for n in read)
+    assert _greedy(rt, rounds=1) == _greedy(_parts(str(tmp_path / "fp8"), None), rounds=1)
+    assert rt.scheduler.speculator.stats()["spec_draft_tokens"] > 0

@@ -73,6 +73,36 @@ def _files(path: str) -> list[Path]:
     return files
 
 
+def tensor_names(path: str) -> dict[str, Path]:
+    """Every tensor name in the folder's safetensors files, with the file that holds it (headers only)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for file in _files(path):
+        with safe_open(str(file), framework="pt") as f:
+            where.update((key, file) for key in f.keys())
+    return where
+
+
+def dense_tensors(path: str, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors whose names start with ``prefix``, dense (stored ones dequantized),
+    reading only those: a part of a large checkpoint (an MTP layer) without loading the rest."""
+    from safetensors import safe_open
+
+    where = {name: file for name, file in tensor_names(path).items() if name.startswith(prefix)}
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    qconfig = quantization_config(path)
+    stored, consumed = _reader_for(qconfig)(qconfig, sorted(where), get) if qconfig is not None else ({}, set())
+    for name in sorted(set(where) - consumed):
+        yield name, get(name)
+    for name, weight in stored.items():
+        yield name, weight.dequantize()
+
+
 def safetensors_tensors(path: str, skip: set[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     """``(name, lazy slice)`` of every tensor in the folder's safetensors files (but ``skip``).
 
@@ -104,10 +134,7 @@ def open_folder(path: str, native: bool = True) -> Checkpoint:
         return Checkpoint(cfg, lambda: safetensors_tensors(path), {}, size)
     from safetensors import safe_open
 
-    where = {}
-    for file in _files(path):
-        with safe_open(str(file), framework="pt") as f:
-            where.update((key, file) for key in f.keys())
+    where = tensor_names(path)
 
     def get(name: str) -> torch.Tensor:
         with safe_open(str(where[name]), framework="pt") as f:

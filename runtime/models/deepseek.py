@@ -101,7 +101,11 @@ class DeepseekForCausalLM(DenseForCausalLM):
         return None
 
     def weight_target(self, name: str) -> tuple[str | None, int | None]:
-        """As the dense decoder's, but a plain ``q_proj`` (V2-Lite) is latent attention's own, not part of a fused q/k/v."""
+        """As the dense decoder's, but a plain ``q_proj`` (V2-Lite) is latent attention's own, not part
+        of a fused q/k/v, and the MTP layers' weights (past the model's layers) have no target here."""
+        layer = _LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= self.config.num_layers:
+            return None, None
         plain = _PLAIN_QUERY.match(name)
         if plain is not None:
             return f"layers.{plain.group(1)}.self_attn.q_proj.{plain.group(2)}", None

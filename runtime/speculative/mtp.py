@@ -41,7 +41,7 @@ import torch
 
 from radixlm.radix_cache.manager import KVManager
 from radixlm.radix_cache.pool import KVPool
-from radixlm.runtime.checkpoints import open_checkpoint
+from radixlm.runtime.checkpoints.folder import dense_tensors, tensor_names
 from radixlm.runtime.checkpoints.install import materialize
 from radixlm.runtime.executor.model_runner import ModelRunner
 from radixlm.runtime.layers.attention import select_attention_backend
@@ -66,26 +66,27 @@ PENDING_LIMIT = 32  # a request's waiting target hidden states computed at once 
 
 
 def has_mtp_weights(path: str, cfg: ModelConfig) -> bool:
-    """True where ``cfg`` declares an MTP layer and the checkpoint at ``path`` holds its tensors."""
+    """True where ``cfg`` declares an MTP layer and the checkpoint at ``path`` holds its tensors
+    (read from the files' headers)."""
     prefix = f"model.layers.{cfg.num_layers}.eh_proj."
     if cfg.mtp_layers == 0 or is_gguf(path):  # GGUF files leave the MTP layers out (``gguf_deepseek``)
         return False
-    return any(name.startswith(prefix) for name, _ in open_checkpoint(path, native=False).plain())
+    return any(name.startswith(prefix) for name in tensor_names(path))
 
 
 def load_mtp(path: str, target: DeepseekForCausalLM, dtype: torch.dtype, device: torch.device) -> DeepseekMTP:
-    """The first MTP layer of the checkpoint at ``path`` (dequantized), sharing ``target``'s
-    embedding and head where its own are absent or equal."""
+    """The first MTP layer of the checkpoint at ``path`` (its tensors alone read, dequantized),
+    sharing ``target``'s embedding and head where its own are absent or equal."""
     cfg = target.config
-    checkpoint = open_checkpoint(path, native=False)
+    prefix = f"model.layers.{cfg.num_layers}."
+    tensors = list(dense_tensors(path, prefix))
     with torch.device("meta"):
         mtp = DeepseekMTP(mtp_config(cfg), cfg.num_layers)
     materialize(mtp, device, dtype)
     mtp.rebuild_buffers(device)
-    prefix = f"model.layers.{cfg.num_layers}."
-    names = {name[len(prefix) :] for name, _ in checkpoint.plain() if name.startswith(prefix)}
+    names = {name[len(prefix) :] for name, _ in tensors}
     with torch.no_grad():
-        mtp.load_weights(checkpoint.plain())
+        mtp.load_weights(iter(tensors))
         mtp.share(target, {own for own, name in zip(SHARED_PARAMS, ("embed_tokens.weight", "shared_head.head.weight")) if name in names})
     return mtp.eval()
 
