@@ -275,7 +275,10 @@ def test_mxfp4_blocks_move_into_gguf_mxfp4_rows_with_the_same_values():
     assert torch.equal(torch.from_numpy(theirs.copy()), dequantize_mxfp4(blocks, scales))
 
 
-def test_gpt_oss_mxfp4_experts_load_as_their_dequantized_stacked_tensors():
+def test_gpt_oss_mxfp4_experts_read_as_the_per_expert_tensors_of_their_stacked_values():
+    """A folder's MXFP4 blocks and scales become per-expert GGUF MXFP4 weights (gate rows even, up
+    odd) whose values are what the family cuts from the same experts stacked dense."""
+    from radixlm.runtime.checkpoints.mxfp4 import read_stored
     from radixlm.runtime.layers.mxfp4 import dequantize_mxfp4
     from radixlm.runtime.models.gpt_oss import GptOssForCausalLM
 
@@ -283,18 +286,19 @@ def test_gpt_oss_mxfp4_experts_load_as_their_dequantized_stacked_tensors():
     prefix = "model.layers.0.mlp.experts"
     blocks = {p: torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) for p, shape in (("gate_up_proj", (2, 8, 1, 16)), ("down_proj", (2, 32, 4, 16)))}
     scales = {p: torch.randint(124, 130, b.shape[:-1], dtype=torch.uint8, generator=gen) for p, b in blocks.items()}
-    packed = [(f"{prefix}.{p}_blocks", blocks[p]) for p in blocks] + [(f"{prefix}.{p}_scales", scales[p]) for p in scales]
+    packed = {**{f"{prefix}.{p}_blocks": blocks[p] for p in blocks}, **{f"{prefix}.{p}_scales": scales[p] for p in scales}}
     stacked = [(f"{prefix}.{p}", dequantize_mxfp4(blocks[p], scales[p]).transpose(1, 2)) for p in blocks]  # as transformers holds them
     model = object.__new__(GptOssForCausalLM)  # checkpoint_tensors reads only the class's arch
-    from_packed, from_stacked = dict(model.checkpoint_tensors(packed)), dict(model.checkpoint_tensors(stacked))
-    assert sorted(from_packed) == sorted(from_stacked) == sorted(
+    from_stacked = dict(model.checkpoint_tensors(stacked))
+    stored, consumed = read_stored({"quant_method": "mxfp4"}, sorted(packed), packed.__getitem__)
+    assert consumed == set(packed) and sorted(stored) == sorted(from_stacked) == sorted(
         f"{prefix}.{e}.{p}.weight" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")
     )
-    for name, tensor in from_packed.items():
-        assert torch.equal(tensor, from_stacked[name]), name
-    assert from_packed[f"{prefix}.1.gate_proj.weight"].shape == (4, 32)  # interleaved rows: gate even, up odd
-    with pytest.raises(ValueError, match="without their blocks or scales"):
-        dict(model.checkpoint_tensors(packed[:1]))
+    for name, weight in stored.items():
+        assert weight.format == "gguf:MXFP4" and torch.equal(weight.dequantize(), from_stacked[name]), name
+    assert from_stacked[f"{prefix}.1.gate_proj.weight"].shape == (4, 32)  # interleaved rows: gate even, up odd
+    with pytest.raises(ValueError, match="has no"):
+        read_stored({"quant_method": "mxfp4"}, [f"{prefix}.down_proj_blocks"], packed.__getitem__)
 
 
 def test_a_gpt_oss_mxfp4_checkpoint_decodes_as_transformers_on_its_dequantized_weights(tmp_path):

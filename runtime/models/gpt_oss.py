@@ -6,8 +6,8 @@ each layer's experts as stacked tensors, ``mlp.experts.gate_up_proj`` ``[experts
 2 * inter]`` with gate and up columns interleaved, and ``down_proj`` ``[experts, inter, hidden]``,
 or (the published checkpoints) as MXFP4 blocks and scales (``gate_up_proj_blocks``,
 ``gate_up_proj_scales``, ...), which a ``quant_method: mxfp4`` folder hands over as GGUF MXFP4
-weights per expert (``runtime/checkpoints/mxfp4.py``: run as stored); stacked tensors met here
-(plain, or blocks outside such a folder) are cut into one Hugging Face-style tensor per expert. The
+weights per expert (``runtime/checkpoints/mxfp4.py``: run as stored); stacked plain tensors (and
+the experts' biases) are cut here into one Hugging Face-style tensor per expert. The
 ``harmony`` chat format's channels are read by the chat routes (``entrypoints/openai/harmony.py``).
 """
 
@@ -18,11 +18,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from radixlm.runtime.layers.mxfp4 import dequantize_mxfp4
 from radixlm.runtime.models.dense import DenseArch, DenseForCausalLM
 from radixlm.runtime.models.registry import register_family
 
-_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 
 
 @register_family(GptOssForCausalLM="gpt_oss")
@@ -32,35 +31,24 @@ class GptOssForCausalLM(DenseForCausalLM):
     arch = DenseArch(sinks=True)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors with each layer's stacked experts cut into per-expert gate, up and down tensors."""
-        packed: dict[str, torch.Tensor] = {}  # MXFP4 blocks or scales waiting for their other half
+        """The checkpoint's tensors with each layer's stacked experts (and their biases) cut into
+        per-expert gate, up and down tensors."""
         for name, source in super().checkpoint_tensors(weights):
             m = _STACKED.match(name)
             if m is None:
                 yield name, source
-                continue
-            prefix, proj, kind = m.groups()
-            if kind in ("_blocks", "_scales"):
-                other = f"{prefix}.{proj}{'_scales' if kind == '_blocks' else '_blocks'}"
-                if other not in packed:
-                    packed[name] = source[:]
-                    continue
-                blocks, scales = (source[:], packed.pop(other)) if kind == "_blocks" else (packed.pop(other), source[:])
-                yield from _per_expert(prefix, proj, dequantize_mxfp4(blocks, scales), rows_first=True)
-            elif kind == "_bias":
-                yield from _per_expert(prefix, proj, source[:], bias=True)
+            elif m.group(3) == "_bias":
+                yield from _per_expert(m.group(1), m.group(2), source[:], bias=True)
             else:
-                yield from _per_expert(prefix, proj, source[:].float(), rows_first=False)
-        if packed:
-            raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(packed)[:3]}")
+                yield from _per_expert(m.group(1), m.group(2), source[:].float())
 
 
-def _per_expert(prefix: str, proj: str, stacked: torch.Tensor, rows_first: bool = True, bias: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """One expert's tensors of a stacked ``[experts, ...]`` tensor, named as a per-expert checkpoint
-    names them; ``rows_first``: each expert's matrix is ``[out, in]`` (MXFP4) rather than ``[in, out]``."""
+def _per_expert(prefix: str, proj: str, stacked: torch.Tensor, bias: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """One expert's tensors of a stacked ``[experts, ...]`` tensor (matrices ``[in, out]``, as
+    transformers holds them), named as a per-expert checkpoint names them."""
     kind = "bias" if bias else "weight"
     for e, tensor in enumerate(stacked):
-        if not bias and not rows_first:
+        if not bias:
             tensor = tensor.t()
         if proj == "down_proj":
             yield f"{prefix}.{e}.down_proj.{kind}", tensor.contiguous()
