@@ -45,7 +45,12 @@ import torch
 from jsonschema import ValidationError
 
 from radixlm.runtime.constrained.base import GrammarError, Matcher, bitmask_width
-from radixlm.runtime.constrained.specs import in_force, iter_keywords, resolve_pointer
+from radixlm.runtime.constrained.specs import (
+    in_force,
+    iter_keywords,
+    keyword_nodes,
+    resolve_pointer,
+)
 
 # The keywords taken out of the grammar's schema and checked here instead.
 RELAXED = (
@@ -103,7 +108,7 @@ def relax(schema: Any, pattern_properties: bool = False) -> Relaxed:
 
 def _refs(node: Any) -> list[str]:
     """The local ``$ref`` strings in the schema positions of ``node``."""
-    refs = (resolve_pointer(node, path).get("$ref") for key, path in iter_keywords(node) if key == "$ref")
+    refs = (holder["$ref"] for key, _, holder in keyword_nodes(node) if key == "$ref")
     return [ref for ref in refs if isinstance(ref, str) and ref.startswith("#/")]
 
 
