@@ -53,9 +53,8 @@ from radixlm.runtime.layers.quant import quantize_model
 from radixlm.runtime.loader import load_model, load_model_config, resolve_model_path
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampler import SamplingRow, sample_draft
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.speculative.proposal import Proposal
+from radixlm.runtime.speculative.proposal import Proposal, draw_chains
 from radixlm.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -185,20 +184,8 @@ class DraftModelProposer:
             return proposals
         for row in rows:
             row.ids = row.req.fill_ids[row.start :]
-        drafted: list[list[int]] = [[] for _ in reqs]
-        laws: list[list[torch.Tensor]] = [[] for _ in reqs]
-        while rows:
-            logits = self._forward(rows)
-            srows = [SamplingRow(r.req.params, r.req.input_ids, r.req.output_ids + drafted[r.index], r.req.generator, (), False, 0) for r in rows]
-            tokens, q = sample_draft(logits, srows, self.generator)
-            next_rows = []
-            for j, row in enumerate(rows):
-                drafted[row.index].append(tokens[j])
-                if q is not None and not row.req.params.greedy:
-                    laws[row.index].append(q[j])
-                if len(drafted[row.index]) < num_tokens[row.index]:
-                    next_rows.append(_Row(row.index, row.req, row.start + len(row.ids), [tokens[j]]))
-            rows = next_rows
+        follow = lambda row, _j, token: _Row(row.index, row.req, row.start + len(row.ids), [token])  # noqa: E731
+        drafted, laws = draw_chains(rows, num_tokens, self.generator, self._forward, follow)
         for i, req in enumerate(reqs):
             if drafted[i]:
                 proposals[i] = Proposal(drafted[i], torch.stack(laws[i]) if laws[i] else None)

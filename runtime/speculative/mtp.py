@@ -55,10 +55,9 @@ from radixlm.runtime.models.deepseek import (
     mtp_config,
 )
 from radixlm.runtime.request import Req
-from radixlm.runtime.sampler import SamplingRow, sample_draft
 from radixlm.runtime.schedule_batch import Row
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.speculative.proposal import Proposal
+from radixlm.runtime.speculative.proposal import Proposal, draw_chains
 
 logger = logging.getLogger(__name__)
 
@@ -211,23 +210,18 @@ class MtpProposer:
         if not rows:
             return proposals
         first = list(rows)
-        drafted: list[list[int]] = [[] for _ in reqs]
-        laws: list[list[torch.Tensor]] = [[] for _ in reqs]
-        while rows:
-            hidden = self._forward(rows)
-            logits = self.model.compute_logits(hidden)
-            srows = [SamplingRow(r.req.params, r.req.input_ids, r.req.output_ids + drafted[r.index], r.req.generator, (), False, 0) for r in rows]
-            tokens, q = sample_draft(logits, srows, self.generator)
-            next_rows = []
-            for j, row in enumerate(rows):
-                drafted[row.index].append(tokens[j])
-                if q is not None and not row.req.params.greedy:
-                    laws[row.index].append(q[j])
-                if len(drafted[row.index]) < num_tokens[row.index]:
-                    p = int(row.positions[-1]) + 1
-                    slot = self.kv.slots(row.req.kv, p, p + 1)
-                    next_rows.append(_Row(row.index, row.req, torch.cat([row.context, row.slots]), [tokens[j]], row.positions[-1:] + 1, slot, hidden[j : j + 1]))
-            rows = next_rows
+        last: list[torch.Tensor] = []  # the pass's hidden states, row by row, for the rows that follow
+
+        def step(rows: list[_Row]) -> torch.Tensor:
+            last[:] = [self._forward(rows)]
+            return self.model.compute_logits(last[0])
+
+        def follow(row: _Row, j: int, token: int) -> _Row:  # the MTP's own hidden state and the token drafted
+            p = int(row.positions[-1]) + 1
+            slot = self.kv.slots(row.req.kv, p, p + 1)
+            return _Row(row.index, row.req, torch.cat([row.context, row.slots]), [token], row.positions[-1:] + 1, slot, last[0][j : j + 1])
+
+        drafted, laws = draw_chains(rows, num_tokens, self.generator, step, follow)
         for row in first:
             self._commit(row)
             self._state[row.req].pending_pos, self._state[row.req].pending_hidden = [], []
