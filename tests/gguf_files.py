@@ -189,6 +189,18 @@ def _gguf_tensor(w, name: str, arr: np.ndarray, qtype: str) -> None:
         w.add_tensor(name, blocks.reshape(*arr.shape[:-1], blocks.shape[-1]), raw_dtype=GGMLQuantizationType[qtype])
 
 
+def _add_yarn(w, rope: dict) -> None:
+    """YaRN's keys as TextModel.set_gguf_parameters writes them (type, factor, original length, betas)."""
+    import gguf
+
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if rope.get(key) is not None:
+            add(rope[key])
+
+
 def _add_as(w, name: str, arr: np.ndarray, qtype: str) -> None:
     """Add ``arr`` as ``qtype``, F16 included (the converters' fall-back for tensors a type cannot hold)."""
     if qtype == "F16":
@@ -297,12 +309,7 @@ def write_family_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", exp
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
         elif full.get("rope_type") == "yarn":
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(full["factor"])
-            w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
-            for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
-                if full.get(key) is not None:
-                    add(full[key])
+            _add_yarn(w, full)
         w.add_rope_freq_base(full["rope_theta"])
         if "sliding_attention" in rope:
             w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
@@ -608,12 +615,7 @@ def write_deepseek_gguf(hf_folder: str, out: Path, type_of=lambda name: "F32", k
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(1 if kv_b == "split" else cfg["num_key_value_heads"])
     if rope.get("rope_type") == "yarn":
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        for key, add in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
-            if rope.get(key) is not None:
-                add(rope[key])
+        _add_yarn(w, rope)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_expert_count(cfg["n_routed_experts"])

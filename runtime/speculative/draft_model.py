@@ -54,7 +54,7 @@ from radixlm.runtime.loader import load_model, load_model_config, resolve_model_
 from radixlm.runtime.models.llama import LlamaForCausalLM
 from radixlm.runtime.request import Req
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.speculative.proposal import Proposal, draw_chains
+from radixlm.runtime.speculative.proposal import Proposal, draw_chains, reserved
 from radixlm.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -174,10 +174,7 @@ class DraftModelProposer:
         for i, (req, k) in enumerate(zip(reqs, num_tokens)):
             if k <= 0 or req.kv is None or req.draft_ids or req.seq_len + k - 1 > self.context_len:
                 continue
-            try:
-                if not self.kv.reserve(req.kv, req.seq_len + k - 1):
-                    continue
-            except ValueError:  # past the slot table's width
+            if not reserved(self.kv, req, req.seq_len + k - 1):
                 continue
             rows.append(_Row(i, req, self._computed_len(req), []))
         if not rows:

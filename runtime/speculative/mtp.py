@@ -57,7 +57,7 @@ from radixlm.runtime.models.deepseek import (
 from radixlm.runtime.request import Req
 from radixlm.runtime.schedule_batch import Row
 from radixlm.runtime.server_args import ServerArgs
-from radixlm.runtime.speculative.proposal import Proposal, draw_chains
+from radixlm.runtime.speculative.proposal import Proposal, draw_chains, reserved
 
 logger = logging.getLogger(__name__)
 
@@ -201,10 +201,7 @@ class MtpProposer:
             pos, hid = state.pending()
             if int(pos[-1]) != req.seq_len - 2 or req.seq_len + k - 2 > self.runner.context_len:
                 continue
-            try:
-                if not self.kv.reserve(req.kv, req.seq_len + k - 2):
-                    continue
-            except ValueError:  # past the slot table's width
+            if not reserved(self.kv, req, req.seq_len + k - 2):
                 continue
             rows.append(self._row(i, req, pos, hid))
         if not rows:

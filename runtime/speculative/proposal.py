@@ -8,6 +8,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from radixlm.radix_cache.manager import KVManager
 from radixlm.runtime.request import Req
 from radixlm.runtime.sampler import SamplingRow, sample_draft
 
@@ -72,3 +73,12 @@ def draw_chains(rows: list[Row], num_tokens: list[int], generator: torch.Generat
                 next_rows.append(follow(row, j, tokens[j]))
         rows = next_rows
     return drafted, laws
+
+
+def reserved(kv: KVManager, req: Req, end: int) -> bool:
+    """Whether the request's slots up to position ``end`` are reserved for drafting (False where
+    the pool is short or ``end`` is past its slot table's width)."""
+    try:
+        return kv.reserve(req.kv, end)
+    except ValueError:
+        return False
